@@ -1,0 +1,67 @@
+# Developer workspace for keras.layers.LinearAttention (see README.md).
+# The two commands: `make test` and `make demo`. Both set everything up.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.requirements-installed
+BACKENDS ?= tensorflow jax torch
+# restore-upstream needs no venv: any Python >= 3.11 runs the tool.
+TOOL_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+.DEFAULT_GOAL := test
+.PHONY: setup lint format test test-tools demo bench wheel clean distclean \
+	restore-upstream
+
+# The venv is rebuilt only when requirements.txt changes; the upstream tree
+# and the API exports are checked on every run (about a second).
+setup: $(STAMP)
+	@$(PY) tools/venv_link.py
+	@$(PY) tools/upstream.py sync
+
+$(STAMP): requirements.txt
+	@test -x $(PY) || { \
+	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and \
+	    "Python >= 3.11 is needed: make PYTHON=python3.11 ...")' && \
+	  $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q -r requirements.txt
+	@touch $@
+
+# Lint only the project's own files: the ones tracked in git.
+lint: $(STAMP)
+	git ls-files -z '*.py' | xargs -0 -r $(VENV)/bin/ruff check
+	git ls-files -z '*.py' | xargs -0 -r $(VENV)/bin/ruff format --check
+
+format: $(STAMP)
+	git ls-files -z '*.py' | xargs -0 -r $(VENV)/bin/ruff check --fix
+	git ls-files -z '*.py' | xargs -0 -r $(VENV)/bin/ruff format
+
+test: setup lint
+	@BACKENDS="$(BACKENDS)" PY=$(PY) tools/run_tests.sh
+
+test-tools: setup
+	$(PY) -m pytest tools/tests
+
+demo: setup
+	$(PY) examples/linear_attention_demo.py
+
+bench: setup
+	$(PY) benchmarks/linear_attention_benchmark.py
+
+wheel: setup
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+	@ls -1 dist/*.whl
+
+restore-upstream:
+	$(TOOL_PY) tools/upstream.py restore
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache benchmarks/results
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune \
+	  -exec rm -rf {} +
+
+# Also remove the laid upstream files and the venv.
+distclean: clean
+	$(TOOL_PY) tools/upstream.py clean
+	rm -rf $(VENV)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Runs the project's tests: the tooling tests once, then the project's Keras
+# tests (its own *_test.py files under keras/ and integration_tests/) once
+# per backend. Prints each run's wall time; exits non-zero if any run fails.
+# Used by `make test`, which sets up the venv and the upstream tree first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+BACKENDS=${BACKENDS:-tensorflow jax torch}
+
+# The project's test files: tracked, or new and not ignored. Upstream's test
+# files are excluded by exact path (.git/info/exclude), so they never appear.
+mapfile -t TESTS < <(
+  git ls-files --cached --others --exclude-standard -- \
+    'keras/*_test.py' 'integration_tests/*_test.py' \
+    'integration_tests/test_*.py' | sort -u | while read -r f; do
+    [ -f "$f" ] && echo "$f"
+  done
+)
+
+failed=0
+summary=()
+
+# run NAME PYTEST-ARGS...: pytest exit 5 (no tests collected) is not a failure.
+run() {
+  local name=$1 start rc secs
+  shift
+  echo
+  echo "==== $name: pytest $* ===="
+  start=${EPOCHREALTIME/./}
+  "$PY" -m pytest "$@"
+  rc=$?
+  [ "$rc" -eq 5 ] && rc=0
+  secs=$(( (${EPOCHREALTIME/./} - start) / 100000 ))
+  secs="$((secs / 10)).$((secs % 10))s"
+  if [ "$rc" -eq 0 ]; then
+    summary+=("$(printf '%-12s passed  %8s' "$name" "$secs")")
+  else
+    summary+=("$(printf '%-12s FAILED  %8s  (pytest exit %d)' "$name" "$secs" "$rc")")
+    failed=1
+  fi
+  echo "==== $name: wall time $secs ===="
+}
+
+run tooling tools/tests
+
+if [ "${#TESTS[@]}" -eq 0 ]; then
+  echo
+  echo "==== no project Keras tests yet (keras/**/*_test.py, integration_tests/) ===="
+else
+  for backend in $BACKENDS; do
+    KERAS_BACKEND=$backend run "$backend" "${TESTS[@]}"
+  done
+fi
+
+echo
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"
+exit "$failed"
