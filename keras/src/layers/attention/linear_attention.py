@@ -1,0 +1,813 @@
+from keras.src import backend
+from keras.src import constraints
+from keras.src import initializers
+from keras.src import ops
+from keras.src import regularizers
+from keras.src import tree
+from keras.src.api_export import keras_export
+from keras.src.layers.core.einsum_dense import EinsumDense
+from keras.src.layers.layer import Layer
+from keras.src.layers.regularization.dropout import Dropout
+from keras.src.saving import object_registration
+from keras.src.saving import serialization_lib
+
+_FEATURE_MAPS = ("elu_plus_one", "relu")
+_EXECUTION_MODES = ("auto", "parallel", "recurrent")
+
+
+@keras_export("keras.layers.LinearAttention")
+class LinearAttention(Layer):
+    """Kernelized linear self-attention layer.
+
+    This is an implementation of linear attention as described in
+    [Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236)
+    ("Transformers are RNNs"). The softmax similarity of dot-product
+    attention is replaced by a product of non-negative feature maps,
+    `sim(q, k) = phi(q) . phi(k)`, so that the attention output can be
+    computed from running sums instead of a `(T, T)` attention matrix:
+
+    ```
+    S = sum_j phi(K_j)^T V_j        (key_dim, value_dim) per head
+    z = sum_j phi(K_j)              (key_dim,) per head
+    Y_i = phi(Q_i) S / (phi(Q_i) . z + epsilon)
+    ```
+
+    Time and memory grow linearly with the sequence length. With
+    `causal=True` the sums run over `j <= i` (the current token is included)
+    and the layer is also a recurrent network: its state `(S, z)` has a
+    constant size and can be carried across calls, so that a full-sequence
+    call, a call per chunk and a call per token give the same outputs.
+
+    The layer first projects `inputs` to queries, keys and values with
+    `EinsumDense` sublayers (named `query`, `key` and `value`, as in
+    `MultiHeadAttention`), applies the feature map to queries and keys,
+    computes the attention above per head, and projects the concatenated
+    head outputs back with a fourth `EinsumDense` (`attention_output`).
+    Feature maps, state and sums run in float32 for float16, bfloat16 and
+    float32 compute dtypes (float64 stays float64); the outputs are returned
+    in the layer's compute dtype.
+
+    Linear attention is a different model from softmax attention, not an
+    approximation of a trained softmax layer, and it is not faster for short
+    sequences: `MultiHeadAttention` is usually the better choice below a few
+    hundred tokens.
+
+    Args:
+        num_heads: Number of attention heads.
+        key_dim: Size of each attention head for query and key.
+        value_dim: Size of each attention head for value. Defaults to
+            `key_dim`.
+        output_shape: The size of the output's last dimension, an integer
+            (a one-element tuple or list is accepted). Defaults to the last
+            dimension of `inputs`.
+        feature_map: The non-negative feature map `phi` applied to queries
+            and keys. `"elu_plus_one"` (the default, `elu(x) + 1`),
+            `"relu"` (`relu(x) + normalization_epsilon`), or a callable
+            registered with `keras.saving.register_keras_serializable()`. A
+            callable receives a tensor of shape
+            `(batch_size, sequence_length, num_heads, key_dim)` in the
+            accumulator dtype and must return non-negative values of the
+            same shape and dtype (the layer does not check the values). An
+            unregistered callable works but the layer cannot be serialized.
+        use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
+            normalization_epsilon`. Defaults to `True`.
+        normalization_epsilon: Positive float added to the normalizer (and
+            to the `"relu"` feature map) for numerical stability. Defaults to
+            `1e-6`.
+        causal: Boolean, whether each position attends only to itself and
+            to earlier positions. Causal layers accept and return a
+            recurrent state. Defaults to `False`.
+        dropout: Float in `[0, 1)`. Linear attention has no attention
+            probabilities to drop, so this is the fraction of the
+            concatenated head outputs dropped before the output projection,
+            in training only. Defaults to `0.0`.
+        use_bias: Boolean, whether the dense layers use bias vectors.
+            Defaults to `True`.
+        execution_mode: The algorithm for causal attention; it never changes
+            weights, configuration or (beyond floating-point rounding)
+            results. `"recurrent"` scans over time steps with
+            `keras.ops.scan` (the reference, used for streaming single
+            tokens). `"parallel"` uses the chunkwise form: a masked
+            `(chunk, chunk)` product inside chunks of a fixed size and the
+            carried state across them. `"auto"` (the default) picks
+            `"recurrent"` for single-step inputs and `"parallel"`
+            otherwise. Non-causal attention has one algorithm (sums over
+            the sequence) whatever this value is.
+        kernel_initializer: Initializer for dense layer kernels.
+        bias_initializer: Initializer for dense layer biases.
+        kernel_regularizer: Regularizer for dense layer kernels.
+        bias_regularizer: Regularizer for dense layer biases.
+        activity_regularizer: Regularizer for dense layer activity.
+        kernel_constraint: Constraint for dense layer kernels.
+        bias_constraint: Constraint for dense layer biases.
+        seed: Optional integer to seed the dropout layer.
+
+    Call arguments:
+        inputs: Floating tensor of shape
+            `(batch_size, sequence_length, input_dim)`; `input_dim` must be
+            known, batch size and sequence length may be dynamic. This is
+            self-attention: queries, keys and values all come from
+            `inputs`.
+        mask: Optional boolean (or 0/1 numeric) tensor of shape
+            `(batch_size, sequence_length)`, or broadcastable to it, marking
+            valid time steps with `True`. Invalid steps contribute nothing
+            to keys, values or normalizer, their outputs are zero, and in
+            causal mode they leave the state unchanged. If not given, the
+            mask attached to `inputs` (e.g. by
+            `Embedding(mask_zero=True)`) is used; that mask is propagated to
+            the output.
+        initial_state: Causal layers only. Optional state to start from, as
+            returned by `get_initial_state()` or by a previous call with
+            `return_state=True`. Defaults to zeros.
+        return_state: Causal layers only. Boolean, whether to return the
+            state after the last time step along with the outputs.
+            Defaults to `False`.
+        training: Python boolean indicating whether the layer should behave
+            in training mode (applying dropout) or in inference mode.
+
+    Returns:
+        outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`
+            in the layer's compute dtype.
+        state: Only if `return_state=True`. A tuple
+            `(key_value_state, key_state)` of shapes
+            `(batch_size, num_heads, key_dim, value_dim)` and
+            `(batch_size, num_heads, key_dim)`, or `(key_value_state,)` if
+            `use_normalizer=False`, in the accumulator dtype (float32, or
+            float64 for a float64 layer). The state is runtime data: it is
+            not a weight and is never saved with the model.
+
+    Examples:
+
+    Non-causal self-attention over 8 time steps:
+
+    >>> layer = keras.layers.LinearAttention(num_heads=2, key_dim=4)
+    >>> x = keras.random.normal((3, 8, 16))
+    >>> tuple(layer(x).shape)
+    (3, 8, 16)
+
+    Causal streaming: two chunks carrying the state give the same outputs
+    as one call over the whole sequence.
+
+    >>> layer = keras.layers.LinearAttention(
+    ...     num_heads=2, key_dim=4, causal=True
+    ... )
+    >>> x = keras.random.normal((3, 8, 16))
+    >>> full = layer(x)
+    >>> state = layer.get_initial_state(batch_size=3)
+    >>> y1, state = layer(x[:, :5], initial_state=state, return_state=True)
+    >>> y2, state = layer(x[:, 5:], initial_state=state, return_state=True)
+    >>> [tuple(s.shape) for s in state]
+    [(3, 2, 4, 4), (3, 2, 4)]
+    >>> streamed = keras.ops.concatenate([y1, y2], axis=1)
+    >>> bool(keras.ops.all(keras.ops.abs(streamed - full) < 1e-4))
+    True
+
+    Masking: the last two steps of the second sequence are padding, and
+    their outputs are zero.
+
+    >>> layer = keras.layers.LinearAttention(num_heads=2, key_dim=4)
+    >>> x = keras.random.normal((2, 6, 16))
+    >>> mask = keras.ops.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    >>> y = layer(x, mask=keras.ops.cast(mask, "bool"))
+    >>> float(keras.ops.max(keras.ops.abs(y[1, 4:])))
+    0.0
+    """
+
+    # Chunk length of the causal "parallel" algorithm. Each chunk costs a
+    # (chunk, chunk) product per head, and the sequence costs one
+    # (key_dim, value_dim) summary per chunk.
+    _chunk_size = 64
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        output_shape=None,
+        feature_map="elu_plus_one",
+        use_normalizer=True,
+        normalization_epsilon=1e-6,
+        causal=False,
+        dropout=0.0,
+        use_bias=True,
+        execution_mode="auto",
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.supports_masking = True
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.key_dim = _positive_int("key_dim", key_dim)
+        self.value_dim = (
+            self.key_dim
+            if value_dim is None
+            else _positive_int("value_dim", value_dim)
+        )
+        if isinstance(output_shape, (list, tuple)):
+            if len(output_shape) != 1:
+                raise ValueError(
+                    "`output_shape` must be `None`, a positive integer or a "
+                    "one-element tuple/list of one. Received: "
+                    f"output_shape={output_shape}"
+                )
+            output_shape = output_shape[0]
+        self._output_shape = (
+            None
+            if output_shape is None
+            else _positive_int("output_shape", output_shape)
+        )
+        if isinstance(feature_map, str):
+            if feature_map not in _FEATURE_MAPS:
+                raise ValueError(
+                    "`feature_map` must be one of "
+                    f"{', '.join(repr(name) for name in _FEATURE_MAPS)}, or "
+                    "a callable registered with "
+                    "`keras.saving.register_keras_serializable()`. "
+                    f"Received: feature_map={feature_map!r}"
+                )
+        elif not callable(feature_map):
+            raise ValueError(
+                "`feature_map` must be a string or a callable. Received: "
+                f"feature_map={feature_map!r} of type "
+                f"{type(feature_map).__name__}"
+            )
+        self.feature_map = feature_map
+        if not isinstance(use_normalizer, bool):
+            raise ValueError(
+                "`use_normalizer` must be a boolean. Received: "
+                f"use_normalizer={use_normalizer!r}"
+            )
+        self.use_normalizer = use_normalizer
+        if (
+            isinstance(normalization_epsilon, bool)
+            or not isinstance(normalization_epsilon, (int, float))
+            or not normalization_epsilon > 0
+        ):
+            raise ValueError(
+                "`normalization_epsilon` must be a positive float. Received: "
+                f"normalization_epsilon={normalization_epsilon!r}"
+            )
+        self.normalization_epsilon = float(normalization_epsilon)
+        if not isinstance(causal, bool):
+            raise ValueError(
+                f"`causal` must be a boolean. Received: causal={causal!r}"
+            )
+        self.causal = causal
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, (int, float))
+            or not 0 <= dropout < 1
+        ):
+            raise ValueError(
+                "`dropout` must be a float in [0, 1). Received: "
+                f"dropout={dropout!r}"
+            )
+        self.dropout = float(dropout)
+        self.use_bias = use_bias
+        if execution_mode not in _EXECUTION_MODES:
+            raise ValueError(
+                "`execution_mode` must be one of "
+                f"{', '.join(repr(mode) for mode in _EXECUTION_MODES)}. "
+                f"Received: execution_mode={execution_mode!r}"
+            )
+        self.execution_mode = execution_mode
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.seed = seed
+
+    @property
+    def output_shape(self):
+        return self._output_shape
+
+    @property
+    def accumulator_dtype(self):
+        """The dtype of the attention core and of the recurrent state."""
+        if backend.standardize_dtype(self.compute_dtype) == "float64":
+            return "float64"
+        return "float32"
+
+    def build(self, input_shape):
+        _check_input_shape(input_shape)
+        input_dim = input_shape[-1]
+        output_dim = self._output_shape or input_dim
+        # Einsum variables: b = batch, t = time, m = input features,
+        # h = heads, d = key_dim, e = value_dim, o = output features.
+        self._query_dense = EinsumDense(
+            "btm,mhd->bthd",
+            output_shape=(None, self.num_heads, self.key_dim),
+            bias_axes="hd" if self.use_bias else None,
+            name="query",
+            **self._get_common_kwargs_for_sublayer(),
+        )
+        self._query_dense.build(input_shape)
+        self._key_dense = EinsumDense(
+            "btm,mhd->bthd",
+            output_shape=(None, self.num_heads, self.key_dim),
+            bias_axes="hd" if self.use_bias else None,
+            name="key",
+            **self._get_common_kwargs_for_sublayer(),
+        )
+        self._key_dense.build(input_shape)
+        self._value_dense = EinsumDense(
+            "btm,mhe->bthe",
+            output_shape=(None, self.num_heads, self.value_dim),
+            bias_axes="he" if self.use_bias else None,
+            name="value",
+            **self._get_common_kwargs_for_sublayer(),
+        )
+        self._value_dense.build(input_shape)
+        self._output_dense = EinsumDense(
+            "bthe,heo->bto",
+            output_shape=(None, output_dim),
+            bias_axes="o" if self.use_bias else None,
+            name="attention_output",
+            **self._get_common_kwargs_for_sublayer(),
+        )
+        self._output_dense.build((None, None, self.num_heads, self.value_dim))
+        self._dropout_layer = None
+        if self.dropout > 0:
+            self._dropout_layer = Dropout(
+                rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
+            )
+
+    def _get_common_kwargs_for_sublayer(self):
+        common_kwargs = dict(
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+        )
+        # Clone the initializers so that the four kernels are not drawn from
+        # the same stateless initializer instance (same values).
+        common_kwargs["kernel_initializer"] = (
+            self.kernel_initializer.__class__.from_config(
+                self.kernel_initializer.get_config()
+            )
+        )
+        common_kwargs["bias_initializer"] = (
+            self.bias_initializer.__class__.from_config(
+                self.bias_initializer.get_config()
+            )
+        )
+        return common_kwargs
+
+    def get_initial_state(self, batch_size):
+        """Returns the zero state of a causal layer.
+
+        The layer does not need to be built.
+
+        Args:
+            batch_size: Python integer or scalar integer tensor.
+
+        Returns:
+            A tuple `(key_value_state, key_state)` of zeros with shapes
+            `(batch_size, num_heads, key_dim, value_dim)` and
+            `(batch_size, num_heads, key_dim)` (`(key_value_state,)` if
+            `use_normalizer=False`), in the accumulator dtype.
+        """
+        if not self.causal:
+            raise ValueError(
+                "`get_initial_state()` is only available for causal layers "
+                "(`causal=True`): non-causal attention has no recurrent "
+                f"state. Received: causal={self.causal}"
+            )
+        return tuple(
+            ops.zeros((batch_size,) + shape, dtype=self.accumulator_dtype)
+            for shape in self._state_shapes()
+        )
+
+    def _state_shapes(self):
+        shapes = [(self.num_heads, self.key_dim, self.value_dim)]
+        if self.use_normalizer:
+            shapes.append((self.num_heads, self.key_dim))
+        return tuple(shapes)
+
+    def _feature(self, x):
+        if self.feature_map == "elu_plus_one":
+            return ops.elu(x) + 1.0
+        if self.feature_map == "relu":
+            return ops.relu(x) + self.normalization_epsilon
+        return self.feature_map(x)
+
+    def call(
+        self,
+        inputs,
+        mask=None,
+        initial_state=None,
+        return_state=False,
+        training=None,
+    ):
+        self._check_call_arguments(inputs, initial_state, return_state)
+        mask = _standardize_mask(mask, inputs)
+        dtype = self.accumulator_dtype
+        # (batch, time, heads, key_dim or value_dim), accumulator dtype.
+        query = self._feature(ops.cast(self._query_dense(inputs), dtype))
+        key = self._feature(ops.cast(self._key_dense(inputs), dtype))
+        value = ops.cast(self._value_dense(inputs), dtype)
+        if mask is not None:
+            # Masked after the feature map (elu(0) + 1 is not 0), with
+            # `where` so that inf/nan in padding cannot leak through.
+            step_mask = mask[:, :, None, None]
+            key = ops.where(step_mask, key, ops.zeros_like(key))
+            value = ops.where(step_mask, value, ops.zeros_like(value))
+
+        if not self.causal:
+            outputs = self._non_causal(query, key, value)
+            state = None
+        else:
+            if initial_state is None:
+                initial_state = self.get_initial_state(ops.shape(inputs)[0])
+            else:
+                initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
+            if self._use_recurrent(inputs):
+                outputs, state = self._recurrent(
+                    query, key, value, initial_state
+                )
+            else:
+                outputs, state = self._parallel(
+                    query, key, value, initial_state
+                )
+        if mask is not None:
+            # Masked query positions: zero attention output, so that nothing
+            # computed from padding reaches the projection or its gradients.
+            outputs = ops.where(
+                mask[:, :, None, None], outputs, ops.zeros_like(outputs)
+            )
+        outputs = ops.cast(outputs, self.compute_dtype)
+        if self._dropout_layer is not None:
+            outputs = self._dropout_layer(outputs, training=training)
+        outputs = self._output_dense(outputs)
+        if mask is not None:
+            # ... and a zero layer output, the projection's bias included.
+            outputs = ops.where(
+                mask[:, :, None], outputs, ops.zeros_like(outputs)
+            )
+        if return_state:
+            return outputs, state
+        return outputs
+
+    def _use_recurrent(self, inputs):
+        if self.execution_mode == "auto":
+            return inputs.shape[1] == 1
+        return self.execution_mode == "recurrent"
+
+    def _readout(self, numerator, denominator):
+        if not self.use_normalizer:
+            return numerator
+        return numerator / (denominator[..., None] + self.normalization_epsilon)
+
+    def _non_causal(self, query, key, value):
+        key_value = ops.einsum("bthd,bthe->bhde", key, value)
+        numerator = ops.einsum("bthd,bhde->bthe", query, key_value)
+        denominator = None
+        if self.use_normalizer:
+            key_sum = ops.sum(key, axis=1)
+            denominator = ops.einsum("bthd,bhd->bth", query, key_sum)
+        return self._readout(numerator, denominator)
+
+    def _recurrent(self, query, key, value, initial_state):
+        """The reference: one state update and readout per time step."""
+
+        def step(state, step_inputs):
+            query_t, key_t, value_t = step_inputs
+            key_value = state[0] + ops.einsum("bhd,bhe->bhde", key_t, value_t)
+            numerator = ops.einsum("bhd,bhde->bhe", query_t, key_value)
+            if not self.use_normalizer:
+                return (key_value,), numerator
+            key_sum = state[1] + key_t
+            denominator = ops.einsum("bhd,bhd->bh", query_t, key_sum)
+            return (key_value, key_sum), self._readout(numerator, denominator)
+
+        # Time-major for the scan: (time, batch, heads, features).
+        sequences = tuple(
+            ops.transpose(x, (1, 0, 2, 3)) for x in (query, key, value)
+        )
+        state, outputs = _scan(step, initial_state, sequences)
+        return ops.transpose(outputs, (1, 0, 2, 3)), state
+
+    def _parallel(self, query, key, value, initial_state):
+        """The chunkwise form: see the class docstring and `_recurrent`."""
+        chunk = self._chunk_size
+        length = ops.shape(query)[1]
+        # Pad to a whole number of chunks. Padded keys and values are zero,
+        # so they change neither outputs nor state; their outputs are cut.
+        padding = (-length) % chunk
+
+        def to_chunks(x):
+            x = ops.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))
+            batch, _, heads, features = ops.shape(x)
+            return ops.reshape(x, (batch, -1, chunk, heads, features))
+
+        # (batch, chunks, chunk, heads, features)
+        query, key, value = to_chunks(query), to_chunks(key), to_chunks(value)
+        # Inside a chunk: attention of step c to steps s <= c.
+        causal_mask = ops.cast(ops.tril(ops.ones((chunk, chunk))), "bool")
+        scores = ops.einsum("bnchd,bnshd->bnhcs", query, key)
+        scores = ops.where(causal_mask, scores, ops.zeros_like(scores))
+
+        # Across chunks: the state entering each chunk is the initial state
+        # plus the summaries of all earlier chunks (an exclusive prefix sum
+        # over chunks, never over time steps).
+        def entering(initial, summaries):
+            shifted = ops.concatenate(
+                [ops.expand_dims(initial, 1), summaries[:, :-1]], axis=1
+            )
+            prefix = _cumsum(shifted, axis=1)
+            return prefix, prefix[:, -1] + summaries[:, -1]
+
+        key_value, final_key_value = entering(
+            initial_state[0], ops.einsum("bnchd,bnche->bnhde", key, value)
+        )
+        numerator = ops.einsum(
+            "bnhcs,bnshe->bnche", scores, value
+        ) + ops.einsum("bnchd,bnhde->bnche", query, key_value)
+        denominator = None
+        state = (final_key_value,)
+        if self.use_normalizer:
+            key_sum, final_key_sum = entering(
+                initial_state[1], ops.sum(key, axis=2)
+            )
+            denominator = ops.einsum("bnhcs->bnch", scores) + ops.einsum(
+                "bnchd,bnhd->bnch", query, key_sum
+            )
+            state = (final_key_value, final_key_sum)
+        outputs = self._readout(numerator, denominator)
+        batch, chunks, _, heads, features = ops.shape(outputs)
+        outputs = ops.reshape(outputs, (batch, -1, heads, features))
+        return outputs[:, :length], state
+
+    def _check_call_arguments(self, inputs, initial_state, return_state):
+        if isinstance(inputs, (list, tuple, dict)):
+            raise ValueError(
+                "`LinearAttention` is self-attention: it takes a single "
+                "`inputs` tensor of shape (batch_size, sequence_length, "
+                "input_dim). Cross-attention (separate query/key/value "
+                f"inputs) is not supported. Received: inputs of type "
+                f"{type(inputs).__name__}"
+            )
+        _check_input_shape(tuple(inputs.shape))
+        dtype = backend.standardize_dtype(inputs.dtype)
+        if not backend.is_float_dtype(dtype):
+            raise ValueError(
+                "`inputs` must be a floating-point tensor. Received: inputs "
+                f"with dtype={dtype}. Cast the inputs to a floating dtype, "
+                "e.g. `keras.ops.cast(inputs, 'float32')`, or embed integer "
+                "tokens first (e.g. with `keras.layers.Embedding`)."
+            )
+        if not self.causal:
+            if return_state or initial_state is not None:
+                raise ValueError(
+                    "`initial_state` and `return_state` are only supported "
+                    "by causal layers (`causal=True`): non-causal attention "
+                    f"has no recurrent state. Received: causal={self.causal}"
+                    f", return_state={return_state}, initial_state "
+                    f"{'given' if initial_state is not None else 'None'}"
+                )
+            return
+        if initial_state is not None:
+            self._check_state(initial_state, inputs.shape[0])
+
+    def _check_state(self, state, batch_size):
+        shapes = self._state_shapes()
+        names = ("key_value_state", "key_state")[: len(shapes)]
+        expected = ", ".join(
+            f"{name} (batch_size,) + {shape}"
+            for name, shape in zip(names, shapes)
+        )
+        if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
+            received = type(state).__name__
+            if isinstance(state, (list, tuple)):
+                received += f" of {len(state)} element(s)"
+            raise ValueError(
+                f"`initial_state` must be a tuple of {len(shapes)} "
+                f"tensor(s): {expected}, as returned by "
+                "`get_initial_state()` or by a call with `return_state=True`."
+                f" Received: initial_state of type {received}"
+            )
+        for name, tensor, shape in zip(names, state, shapes):
+            received = tuple(getattr(tensor, "shape", ()))
+            if (
+                len(received) != len(shape) + 1
+                or received[1:] != shape
+                or (
+                    None not in (received[0], batch_size)
+                    and received[0] != batch_size
+                )
+            ):
+                raise ValueError(
+                    f"`initial_state` element {name} must have shape "
+                    f"{(batch_size,) + shape}: the batch size of `inputs`, "
+                    f"then {shape}. Expected: {expected}. Received: {name} "
+                    f"with shape {received}"
+                )
+            dtype = backend.standardize_dtype(tensor.dtype)
+            if not backend.is_float_dtype(dtype):
+                raise ValueError(
+                    f"`initial_state` element {name} must be a floating-point "
+                    f"tensor (it is used as {self.accumulator_dtype}). "
+                    f"Received: {name} with dtype={dtype}"
+                )
+
+    def compute_output_shape(self, input_shape):
+        _check_input_shape(input_shape)
+        return tuple(input_shape[:-1]) + (
+            self._output_shape or input_shape[-1],
+        )
+
+    def compute_output_spec(
+        self,
+        inputs,
+        mask=None,
+        initial_state=None,
+        return_state=False,
+        training=None,
+    ):
+        self._check_call_arguments(inputs, initial_state, return_state)
+        _standardize_mask(mask, inputs)
+        outputs = backend.KerasTensor(
+            self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
+        )
+        if not return_state:
+            return outputs
+        batch_size = inputs.shape[0]
+        state = tuple(
+            backend.KerasTensor(
+                (batch_size,) + shape, dtype=self.accumulator_dtype
+            )
+            for shape in self._state_shapes()
+        )
+        return outputs, state
+
+    def get_config(self):
+        feature_map = self.feature_map
+        if not isinstance(feature_map, str):
+            if (
+                feature_map not in object_registration.GLOBAL_CUSTOM_NAMES
+                and not isinstance(feature_map, Layer)
+            ):
+                raise ValueError(
+                    "Cannot serialize `LinearAttention` with an unregistered "
+                    f"`feature_map` callable ({feature_map!r}). Register it "
+                    "with `@keras.saving.register_keras_serializable()` so "
+                    "that it can be saved and loaded by name. Received: "
+                    f"feature_map={feature_map!r}"
+                )
+            feature_map = serialization_lib.serialize_keras_object(feature_map)
+        config = {
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "value_dim": self.value_dim,
+            "output_shape": self._output_shape,
+            "feature_map": feature_map,
+            "use_normalizer": self.use_normalizer,
+            "normalization_epsilon": self.normalization_epsilon,
+            "causal": self.causal,
+            "dropout": self.dropout,
+            "use_bias": self.use_bias,
+            "execution_mode": self.execution_mode,
+            "kernel_initializer": initializers.serialize(
+                self.kernel_initializer
+            ),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(
+                self.kernel_regularizer
+            ),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+            "seed": self.seed,
+        }
+        base_config = super().get_config()
+        return {**base_config, **config}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("feature_map"), dict):
+            config["feature_map"] = serialization_lib.deserialize_keras_object(
+                config["feature_map"]
+            )
+        return super().from_config(config)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value!r}"
+        )
+    return value
+
+
+def _check_input_shape(shape):
+    if not isinstance(shape, (list, tuple)) or any(
+        isinstance(dim, (list, tuple)) for dim in shape
+    ):
+        raise ValueError(
+            "`LinearAttention` is self-attention: it takes a single `inputs` "
+            "tensor of shape (batch_size, sequence_length, input_dim). "
+            "Cross-attention (separate query/key/value inputs) is not "
+            f"supported. Received input shape(s): {shape}"
+        )
+    if len(shape) != 3:
+        raise ValueError(
+            "`inputs` must have rank 3: (batch_size, sequence_length, "
+            f"input_dim). Received: inputs with shape {tuple(shape)} (rank "
+            f"{len(shape)})"
+        )
+    if shape[-1] is None:
+        raise ValueError(
+            "The last dimension of `inputs` (input_dim) must be known. "
+            f"Received: inputs with shape {tuple(shape)}"
+        )
+
+
+def _standardize_mask(mask, inputs):
+    """Returns `mask` as a boolean `(batch, time)` tensor, or `None`."""
+    if mask is None:
+        return None
+    if not hasattr(mask, "shape"):
+        mask = ops.convert_to_tensor(mask)
+    shape = tuple(mask.shape)
+    compatible = len(shape) == 2 and all(
+        dim is None or dim == 1 or other is None or dim == other
+        for dim, other in zip(shape, inputs.shape[:2])
+    )
+    if not compatible:
+        raise ValueError(
+            "`mask` must be a 2-D sequence mask of shape (batch_size, "
+            "sequence_length), or broadcastable to it such as (1, "
+            "sequence_length) or (batch_size, 1). Pairwise (3-D) attention "
+            "masks and cross-attention are not supported by "
+            f"`LinearAttention`. Received: mask with shape {shape} for "
+            f"inputs with shape {tuple(inputs.shape)}"
+        )
+    if isinstance(mask, backend.KerasTensor):
+        return mask
+    if backend.standardize_dtype(mask.dtype) != "bool":
+        mask = ops.not_equal(mask, 0)
+    return ops.broadcast_to(mask, ops.shape(inputs)[:2])
+
+
+def _cumsum(x, axis):
+    """`ops.cumsum` that keeps float64 inputs in float64.
+
+    Works around upstream's PyTorch `cumsum` (Keras 3.15), which takes its
+    result dtype from `result_type`; that maps 64-bit types to 32-bit on
+    every backend but TensorFlow, so a float64 sum would run in float32.
+    """
+    if (
+        backend.backend() == "torch"
+        and backend.standardize_dtype(x.dtype) == "float64"
+    ):
+        import torch
+
+        return torch.cumsum(x, dim=axis)
+    return ops.cumsum(x, axis=axis)
+
+
+def _scan(step, initial_state, sequences):
+    """`ops.scan` with per-step outputs that differ from the carry.
+
+    Works around upstream's TensorFlow `scan` (Keras 3.15), which allocates
+    its per-step outputs with the carry's structure, shapes and dtypes, so
+    that an output of another shape fails. On TensorFlow this runs the same
+    loop with `tf.while_loop` and a `TensorArray` for the outputs. Other
+    backends use `ops.scan` (on PyTorch that is a Python loop over steps in
+    upstream's implementation: correct, but slow for long sequences).
+    """
+    if backend.backend() != "tensorflow":
+        return ops.scan(step, initial_state, sequences)
+
+    import tensorflow as tf
+
+    sequences = tree.flatten(sequences)
+    length = tf.shape(sequences[0])[0]
+    inputs = [
+        tf.TensorArray(x.dtype, size=length).unstack(x) for x in sequences
+    ]
+    outputs = tf.TensorArray(sequences[0].dtype, size=length)
+
+    def body(t, state, outputs):
+        state, output = step(state, tuple(x.read(t) for x in inputs))
+        return t + 1, tuple(state), outputs.write(t, output)
+
+    _, state, outputs = tf.while_loop(
+        lambda t, *_: t < length,
+        body,
+        (tf.constant(0), tuple(initial_state), outputs),
+    )
+    outputs = outputs.stack()
+    outputs.set_shape(sequences[0].shape[:1].concatenate(outputs.shape[1:]))
+    return state, outputs

@@ -1,0 +1,1092 @@
+import doctest
+import json
+import os
+import zipfile
+
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from keras.src import backend
+from keras.src import constraints
+from keras.src import layers
+from keras.src import models
+from keras.src import ops
+from keras.src import regularizers
+from keras.src import saving
+from keras.src import testing
+from keras.src.layers.attention import linear_attention
+from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.models import cloning
+
+# Tolerances. Each comparison is relative to the largest magnitude of the
+# expected values (`_assert_close`), because outputs without the normalizer
+# grow with the sequence length.
+#
+# float32 layer vs the float64 NumPy reference: float32 rounding (~1.2e-7)
+# accumulated over sums of up to ~130 terms and four projections, with
+# margin; a wrong formula (e.g. a missing or extra time step) is off by
+# more than 1e-2.
+FLOAT32_RTOL = 2e-5
+# Two float32 algorithms against each other (parallel vs recurrent, full vs
+# chunked vs token by token): both round like the above, in another order.
+FLOAT32_PARITY_RTOL = 2e-5
+# Gradients go through the same sums twice (forward and backward).
+FLOAT32_GRADIENT_RTOL = 1e-4
+# float64 layer vs the float64 reference: only summation order differs.
+FLOAT64_RTOL = 1e-10
+# Central finite differences in float64 with step 1e-6: truncation error
+# ~h^2 and rounding ~1e-16 / h, both far below this.
+FINITE_DIFFERENCE_RTOL = 1e-6
+# mixed_float16 / mixed_bfloat16 layer vs the same weights in float32: the
+# projections round their inputs and outputs to 11 (float16) or 8
+# (bfloat16) significant bits, i.e. ~5e-4 and ~4e-3 relative error per
+# rounding, a few roundings deep.
+MIXED_RTOL = {"float16": 5e-3, "bfloat16": 4e-2}
+
+BATCH, LENGTH, INPUT_DIM = 2, 70, 8
+NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
+
+
+def _assert_close(actual, expected, rtol, msg=None):
+    actual = np.asarray(backend.convert_to_numpy(actual), dtype="float64")
+    expected = np.asarray(backend.convert_to_numpy(expected), "float64")
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{msg or ''} shape {actual.shape} != {expected.shape}"
+        )
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    error = float(np.max(np.abs(actual - expected), initial=0.0))
+    if not error <= rtol * scale:
+        raise AssertionError(
+            f"{msg or ''} max abs error {error:.3g} > {rtol:g} * {scale:.3g}"
+        )
+
+
+def _inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0, dtype="float32"):
+    return np.random.RandomState(seed).normal(size=shape).astype(dtype)
+
+
+def _layer(**kwargs):
+    kwargs.setdefault("num_heads", NUM_HEADS)
+    kwargs.setdefault("key_dim", KEY_DIM)
+    kwargs.setdefault("value_dim", VALUE_DIM)
+    # Non-zero biases so that a misplaced bias cannot hide.
+    kwargs.setdefault("bias_initializer", "random_normal")
+    kwargs.setdefault("seed", 1)
+    return LinearAttention(**kwargs)
+
+
+def _built_layer(input_dim=INPUT_DIM, **kwargs):
+    layer = _layer(**kwargs)
+    layer.build((None, None, input_dim))
+    return layer
+
+
+# An independent NumPy reference, written from the proposal's formulas.
+
+
+def _np_feature(x, feature_map, epsilon):
+    if feature_map == "elu_plus_one":
+        # elu(x) + 1 is x + 1 above zero and exp(x) below.
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    return np.maximum(x, 0.0) + epsilon
+
+
+def _np_weights(layer):
+    weights = {}
+    for variable in layer.weights:
+        sublayer, name = variable.path.split("/")[-2:]
+        weights[(sublayer, name)] = np.asarray(
+            backend.convert_to_numpy(variable), dtype="float64"
+        )
+    return weights
+
+
+def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
+    """Outputs and final state of `layer` on `x`, in float64."""
+    weights = _np_weights(layer)
+    x = np.asarray(x, dtype="float64")
+    batch, length, _ = x.shape
+    epsilon = layer.normalization_epsilon
+
+    def project(name):
+        y = np.einsum("btm,mhd->bthd", x, weights[(name, "kernel")])
+        if layer.use_bias:
+            y = y + weights[(name, "bias")]
+        return y
+
+    if feature is None:
+
+        def feature(x):
+            return _np_feature(x, layer.feature_map, epsilon)
+
+    query = feature(project("query"))
+    key = feature(project("key"))
+    value = project("value")
+    if mask is None:
+        mask = np.ones((batch, length), dtype=bool)
+    mask = np.broadcast_to(np.asarray(mask).astype(bool), (batch, length))
+    heads = np.zeros(value.shape)
+    if not layer.causal:
+        valid = mask[:, :, None, None]
+        s = np.einsum("bthd,bthe->bhde", key * valid, value * valid)
+        z = np.sum(key * valid, axis=1)
+        for t in range(length):
+            numerator = np.einsum("bhd,bhde->bhe", query[:, t], s)
+            denominator = np.einsum("bhd,bhd->bh", query[:, t], z)
+            heads[:, t] = numerator
+            if layer.use_normalizer:
+                heads[:, t] = numerator / (denominator[..., None] + epsilon)
+        state = None
+    else:
+        # The recurrence, unrolled step by step.
+        s = np.zeros((batch, layer.num_heads, layer.key_dim, layer.value_dim))
+        z = np.zeros((batch, layer.num_heads, layer.key_dim))
+        if initial_state is not None:
+            s = np.asarray(initial_state[0], dtype="float64").copy()
+            if layer.use_normalizer:
+                z = np.asarray(initial_state[1], dtype="float64").copy()
+        for t in range(length):
+            for b in range(batch):
+                if not mask[b, t]:
+                    continue
+                s[b] = s[b] + np.einsum("hd,he->hde", key[b, t], value[b, t])
+                z[b] = z[b] + key[b, t]
+                numerator = np.einsum("hd,hde->he", query[b, t], s[b])
+                heads[b, t] = numerator
+                if layer.use_normalizer:
+                    denominator = np.einsum("hd,hd->h", query[b, t], z[b])
+                    heads[b, t] = numerator / (denominator[:, None] + epsilon)
+        state = (s, z) if layer.use_normalizer else (s,)
+    outputs = np.einsum(
+        "bthe,heo->bto", heads, weights[("attention_output", "kernel")]
+    )
+    if layer.use_bias:
+        outputs = outputs + weights[("attention_output", "bias")]
+    outputs = outputs * mask[:, :, None]
+    return outputs, state
+
+
+# Backend-specific instruments: gradients and recorded op output shapes.
+
+
+def _gradients(layer, x, upstream, **call_kwargs):
+    """Gradients of `sum(layer(x) * upstream)` w.r.t. `x` and the weights."""
+    name = backend.backend()
+    if name == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def loss(trainable, x):
+            y, _ = layer.stateless_call(
+                trainable, non_trainable, x, **call_kwargs
+            )
+            return jnp.sum(y.astype("float32") * upstream)
+
+        grad_weights, grad_x = jax.grad(loss, argnums=(0, 1))(
+            [v.value for v in layer.trainable_variables], jnp.asarray(x)
+        )
+        grads = [grad_x] + list(grad_weights)
+    elif name == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, **call_kwargs)
+            loss = tf.reduce_sum(tf.cast(y, "float32") * upstream)
+        grads = tape.gradient(
+            loss, [x] + [v.value for v in layer.trainable_variables]
+        )
+    elif name == "torch":
+        import torch
+
+        x = torch.tensor(x, requires_grad=True)
+        y = layer(x, **call_kwargs)
+        loss = torch.sum(y.float() * torch.tensor(upstream))
+        grads = torch.autograd.grad(
+            loss, [x] + [v.value for v in layer.trainable_variables]
+        )
+    else:
+        pytest.skip(f"No gradients on the {name} backend.")
+    return [np.asarray(backend.convert_to_numpy(g), "float64") for g in grads]
+
+
+def _recorded_shapes(layer, x, **call_kwargs):
+    """Shapes of every intermediate tensor of a forward call."""
+    name = backend.backend()
+    shapes = []
+    if name == "jax":
+        import jax
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def forward(x):
+            return layer.stateless_call(
+                trainable, non_trainable, x, **call_kwargs
+            )[0]
+
+        def walk(jaxpr):
+            for equation in jaxpr.eqns:
+                for var in equation.outvars:
+                    shapes.append(tuple(getattr(var.aval, "shape", ())))
+                for param in equation.params.values():
+                    for sub in param if isinstance(param, tuple) else [param]:
+                        if hasattr(sub, "jaxpr"):
+                            walk(getattr(sub.jaxpr, "jaxpr", sub.jaxpr))
+                        elif hasattr(sub, "eqns"):
+                            walk(sub)
+
+        walk(jax.make_jaxpr(forward)(x).jaxpr)
+    elif name == "tensorflow":
+        import tensorflow as tf
+
+        function = tf.function(lambda x: layer(x, **call_kwargs))
+        graph = function.get_concrete_function(
+            tf.TensorSpec(x.shape, x.dtype)
+        ).graph
+        graphs = [graph] + [f.graph for f in graph._functions.values()]
+        for g in graphs:
+            for op in g.get_operations():
+                for tensor in op.outputs:
+                    if tensor.shape.rank is not None:
+                        shapes.append(tuple(tensor.shape.as_list()))
+    elif name == "torch":
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for item in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(item, torch.Tensor):
+                        shapes.append(tuple(item.shape))
+                return out
+
+        with Recorder():
+            layer(x, **call_kwargs)
+    else:
+        pytest.skip(f"No instrumentation on the {name} backend.")
+    return shapes
+
+
+def _stream(layer, x, sizes, mask=None):
+    """Runs `x` through a causal layer in pieces of the given sizes."""
+    state = layer.get_initial_state(x.shape[0])
+    outputs, start = [], 0
+    for size in sizes:
+        piece_mask = None if mask is None else mask[:, start : start + size]
+        y, state = layer(
+            x[:, start : start + size],
+            mask=piece_mask,
+            initial_state=state,
+            return_state=True,
+        )
+        outputs.append(backend.convert_to_numpy(y))
+        start += size
+    return np.concatenate(outputs, axis=1), state
+
+
+def _pieces(length, size):
+    return [size] * (length // size) + (
+        [length % size] if length % size else []
+    )
+
+
+@saving.register_keras_serializable(package="LinearAttentionTest")
+def squared_relu_plus_one(x):
+    return ops.square(ops.relu(x)) + 1.0
+
+
+def unregistered_feature_map(x):
+    return ops.exp(x)
+
+
+class LinearAttentionTest(testing.TestCase):
+    # Layer contract: weights, serialization, training, mixed precision.
+
+    @parameterized.named_parameters(
+        ("non_causal", {}, 8),
+        ("causal", {"causal": True}, 8),
+        ("no_normalizer", {"causal": True, "use_normalizer": False}, 8),
+        ("no_bias", {"use_bias": False}, 4),
+        (
+            "value_dim_output_shape",
+            {"value_dim": 6, "output_shape": 5, "causal": True},
+            8,
+        ),
+        ("relu_dropout", {"feature_map": "relu", "dropout": 0.5}, 8),
+    )
+    def test_basics(self, init_kwargs, num_weights):
+        output_dim = init_kwargs.get("output_shape", 16)
+        self.run_layer_test(
+            LinearAttention,
+            init_kwargs={"num_heads": 2, "key_dim": 4, **init_kwargs},
+            input_shape=(2, 8, 16),
+            expected_output_shape=(2, 8, output_dim),
+            expected_num_trainable_weights=num_weights,
+            expected_num_non_trainable_weights=0,
+            expected_num_seed_generators=1 if "dropout" in init_kwargs else 0,
+            expected_num_losses=0,
+            supports_masking=True,
+        )
+
+    def test_weight_shapes_and_names(self):
+        layer = _built_layer(output_shape=7)
+        shapes = {v.path: tuple(v.shape) for v in layer.weights}
+        self.assertEqual(
+            shapes,
+            {
+                "linear_attention/query/kernel": (8, 2, 3),
+                "linear_attention/query/bias": (2, 3),
+                "linear_attention/key/kernel": (8, 2, 3),
+                "linear_attention/key/bias": (2, 3),
+                "linear_attention/value/kernel": (8, 2, 5),
+                "linear_attention/value/bias": (2, 5),
+                "linear_attention/attention_output/kernel": (2, 5, 7),
+                "linear_attention/attention_output/bias": (7,),
+            },
+        )
+        kernels = [
+            backend.convert_to_numpy(v)
+            for v in layer.weights
+            if "kernel" in v.path
+        ]
+        # Cloned initializers: the kernels are not copies of each other.
+        self.assertNotAllClose(kernels[0], kernels[1])
+
+    def test_output_shape_tuple(self):
+        layer = LinearAttention(2, 4, output_shape=(5,))
+        self.assertEqual(layer.output_shape, 5)
+        self.assertEqual(layer.get_config()["output_shape"], 5)
+        self.assertEqual(layer(_inputs((1, 3, 8))).shape, (1, 3, 5))
+
+    @parameterized.named_parameters(
+        ("num_heads", {"num_heads": 0}, "num_heads"),
+        ("num_heads_float", {"num_heads": 2.0}, "num_heads"),
+        ("key_dim", {"key_dim": -1}, "key_dim"),
+        ("value_dim", {"value_dim": 0}, "value_dim"),
+        ("output_shape", {"output_shape": (2, 3)}, "output_shape"),
+        ("output_shape_zero", {"output_shape": 0}, "output_shape"),
+        ("feature_map", {"feature_map": "softmax"}, "feature_map"),
+        ("feature_map_type", {"feature_map": 3}, "feature_map"),
+        ("execution_mode", {"execution_mode": "fast"}, "execution_mode"),
+        ("dropout_one", {"dropout": 1.0}, "dropout"),
+        ("dropout_negative", {"dropout": -0.1}, "dropout"),
+        (
+            "epsilon_zero",
+            {"normalization_epsilon": 0.0},
+            "normalization_epsilon",
+        ),
+        (
+            "epsilon_string",
+            {"normalization_epsilon": "1e-6"},
+            "normalization_epsilon",
+        ),
+        ("causal", {"causal": "yes"}, "causal"),
+        ("use_normalizer", {"use_normalizer": None}, "use_normalizer"),
+    )
+    def test_invalid_constructor_arguments(self, kwargs, name):
+        kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
+        with self.assertRaisesRegex(ValueError, f"`{name}.*Received"):
+            LinearAttention(**kwargs)
+
+    def test_initializers_regularizers_constraints(self):
+        layer = LinearAttention(
+            2,
+            4,
+            kernel_initializer="ones",
+            bias_initializer="ones",
+            kernel_regularizer=regularizers.L2(0.1),
+            bias_regularizer="l1",
+            activity_regularizer="l2",
+            kernel_constraint=constraints.MaxNorm(1.0),
+            bias_constraint="non_neg",
+        )
+        layer(_inputs((1, 3, 8)))
+        for variable in layer.weights:
+            self.assertAllClose(variable, np.ones(variable.shape))
+        # Four kernel penalties, four bias penalties and the activity one.
+        self.assertLen(layer.losses, 9)
+        for sublayer in (layer._query_dense, layer._output_dense):
+            self.assertIsInstance(
+                sublayer.kernel.constraint, constraints.MaxNorm
+            )
+            self.assertIsInstance(sublayer.bias.constraint, constraints.NonNeg)
+        config = layer.get_config()
+        revived = LinearAttention.from_config(config)
+        self.assertEqual(revived.get_config(), config)
+
+    # Correctness against the NumPy reference.
+
+    @parameterized.product(
+        causal=[False, True],
+        feature_map=["elu_plus_one", "relu"],
+        use_normalizer=[True, False],
+    )
+    def test_matches_reference(self, causal, feature_map, use_normalizer):
+        layer = _built_layer(
+            causal=causal,
+            feature_map=feature_map,
+            use_normalizer=use_normalizer,
+        )
+        x = _inputs()
+        mask = np.ones((BATCH, LENGTH), bool)
+        mask[0, 3] = mask[1, 50:] = False
+        expected, expected_state = _np_reference(layer, x, mask)
+        _assert_close(layer(x), _np_reference(layer, x)[0], FLOAT32_RTOL)
+        _assert_close(layer(x, mask=mask), expected, FLOAT32_RTOL)
+        if causal:
+            for mode in ("recurrent", "parallel"):
+                layer.execution_mode = mode
+                y, state = layer(x, mask=mask, return_state=True)
+                _assert_close(y, expected, FLOAT32_RTOL, mode)
+                self.assertLen(state, len(expected_state))
+                for actual, reference in zip(state, expected_state):
+                    _assert_close(actual, reference, FLOAT32_RTOL, mode)
+
+    def test_matches_reference_with_initial_state(self):
+        layer = _built_layer(causal=True)
+        x = _inputs()
+        rng = np.random.RandomState(3)
+        initial_state = (
+            rng.uniform(size=(BATCH, NUM_HEADS, KEY_DIM, VALUE_DIM)),
+            rng.uniform(1, 2, size=(BATCH, NUM_HEADS, KEY_DIM)),
+        )
+        initial_state = tuple(s.astype("float32") for s in initial_state)
+        expected, expected_state = _np_reference(
+            layer, x, initial_state=initial_state
+        )
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            y, state = layer(x, initial_state=initial_state, return_state=True)
+            _assert_close(y, expected, FLOAT32_RTOL, mode)
+            for actual, reference in zip(state, expected_state):
+                _assert_close(actual, reference, FLOAT32_RTOL, mode)
+
+    def test_custom_feature_map_matches_reference(self):
+        layer = _built_layer(causal=True, feature_map=squared_relu_plus_one)
+        x = _inputs()
+        y = backend.convert_to_numpy(layer(x))
+        # The same layer with the map applied by the reference.
+        expected, _ = _np_reference(
+            layer, x, feature=lambda x: np.square(np.maximum(x, 0.0)) + 1.0
+        )
+        _assert_close(y, expected, FLOAT32_RTOL)
+
+    def test_non_causal_execution_modes_agree(self):
+        x = _inputs()
+        weights = _built_layer().get_weights()
+        outputs = []
+        for mode in ("auto", "parallel", "recurrent"):
+            layer = _built_layer(execution_mode=mode)
+            layer.set_weights(weights)
+            outputs.append(backend.convert_to_numpy(layer(x)))
+        self.assertAllEqual(outputs[0], outputs[1])
+        self.assertAllEqual(outputs[0], outputs[2])
+
+    def test_current_token_is_included(self):
+        # With one valid step, normalized attention returns that step's value
+        # (up to epsilon), so the output is the output projection of the
+        # value. Excluding the current token would give the bias alone.
+        layer = _built_layer(causal=True, normalization_epsilon=1e-12)
+        x = _inputs()
+        weights = _np_weights(layer)
+        value = np.einsum("bm,mhe->bhe", x[:, 0], weights[("value", "kernel")])
+        value = value + weights[("value", "bias")]
+        expected = (
+            np.einsum(
+                "bhe,heo->bo", value, weights[("attention_output", "kernel")]
+            )
+            + weights[("attention_output", "bias")]
+        )
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            y = backend.convert_to_numpy(layer(x))
+            _assert_close(y[:, 0], expected, FLOAT32_RTOL, mode)
+            # A step's output does not depend on later steps.
+            later = x.copy()
+            later[:, 1:] += 1.0
+            _assert_close(layer(later)[:, 0], y[:, 0], FLOAT32_PARITY_RTOL)
+
+    def test_no_quadratic_or_per_token_state_tensor(self):
+        # T is larger than every other dimension, so a (T, T) tensor would
+        # show two dimensions >= T, and a per-token state would need at
+        # least T * H * Dk * Dv elements (~6x more than the biggest
+        # legitimate tensor, the in-chunk scores).
+        length, heads, dim = 200, 2, 16
+        x = _inputs((1, length, 8))
+        per_token_state = length * heads * dim * dim
+        cases = [("non_causal", {}), ("parallel", {"causal": True})]
+        if backend.backend() != "tensorflow":
+            # TensorFlow's while loop body lives in a separate function.
+            cases.append(
+                ("recurrent", {"causal": True, "execution_mode": "recurrent"})
+            )
+        for name, kwargs in cases:
+            layer = _built_layer(
+                num_heads=heads, key_dim=dim, value_dim=dim, **kwargs
+            )
+            shapes = _recorded_shapes(layer, x)
+            # The instrument saw the sequence axis.
+            self.assertTrue(
+                any(length in shape for shape in shapes), (name, shapes)
+            )
+            for shape in shapes:
+                long_axes = [d for d in shape if d is not None and d >= length]
+                self.assertLessEqual(len(long_axes), 1, (name, shape))
+                self.assertLess(
+                    int(np.prod(shape)), per_token_state, (name, shape)
+                )
+
+    # Full, chunked and token-by-token causal runs.
+
+    def test_full_chunked_and_token_by_token_agree(self):
+        # Two internal chunks of the parallel algorithm, the second partial;
+        # splits before, on and after the chunk edge, and pieces shorter and
+        # longer than a chunk. Token-by-token and two-token pieces run with
+        # the mask only, to keep the (eager, per-call) test time down.
+        layer = _built_layer(causal=True)
+        chunk = layer._chunk_size
+        length = chunk + 3
+        x = _inputs((BATCH, length, INPUT_DIM))
+        mask = np.ones((BATCH, length), bool)
+        mask[0, :5] = False  # left padding
+        mask[1, chunk - 2 : chunk + 1] = False  # a gap across a chunk edge
+        mask[1, -1:] = False  # right padding
+        for step_mask in (None, mask):
+            full, full_state = layer(x, mask=step_mask, return_state=True)
+            expected, _ = _np_reference(layer, x, step_mask)
+            _assert_close(full, expected, FLOAT32_RTOL)
+            splits = [
+                [1, length - 1],
+                [chunk - 1, length - chunk + 1],
+                [chunk, length - chunk],
+                [chunk + 1, length - chunk - 1],
+                [5, chunk - 10, 8],
+            ]
+            sizes = (7, 64, 65) if step_mask is None else (1, 2, 7, 64, 65)
+            splits += [_pieces(length, size) for size in sizes]
+            for sizes in splits:
+                streamed, state = _stream(layer, x, sizes, step_mask)
+                message = f"sizes={sizes[:3]}, masked={step_mask is not None}"
+                _assert_close(streamed, full, FLOAT32_PARITY_RTOL, message)
+                for actual, reference in zip(state, full_state):
+                    _assert_close(
+                        actual,
+                        backend.convert_to_numpy(reference),
+                        FLOAT32_PARITY_RTOL,
+                        message,
+                    )
+
+    @parameterized.named_parameters(
+        ("normalized", True, None),
+        ("unnormalized", False, None),
+        ("masked", True, "mask"),
+    )
+    def test_parallel_and_recurrent_gradients_agree(self, use_normalizer, mask):
+        parallel = _built_layer(
+            causal=True,
+            use_normalizer=use_normalizer,
+            execution_mode="parallel",
+        )
+        recurrent = _built_layer(
+            causal=True,
+            use_normalizer=use_normalizer,
+            execution_mode="recurrent",
+        )
+        recurrent.set_weights(parallel.get_weights())
+        x = _inputs()
+        upstream = _inputs((BATCH, LENGTH, INPUT_DIM), seed=5)
+        kwargs = {}
+        if mask:
+            kwargs["mask"] = np.ones((BATCH, LENGTH), bool)
+            kwargs["mask"][1, 10:20] = False
+        _assert_close(
+            parallel(x, **kwargs), recurrent(x, **kwargs), FLOAT32_PARITY_RTOL
+        )
+        expected = _gradients(recurrent, x, upstream, **kwargs)
+        actual = _gradients(parallel, x, upstream, **kwargs)
+        self.assertLen(actual, 9)
+        for a, e in zip(actual, expected):
+            _assert_close(a, e, FLOAT32_GRADIENT_RTOL)
+
+    # Masks.
+
+    def test_mask_forms(self):
+        for causal in (False, True):
+            layer = _built_layer(causal=causal)
+            x = _inputs()
+            cases = {
+                "right_padding": np.arange(LENGTH)[None] < [[LENGTH], [40]],
+                "left_padding": np.arange(LENGTH)[None] >= [[0], [25]],
+                "interior_gap": ~(
+                    (np.arange(LENGTH)[None] >= 30)
+                    & (np.arange(LENGTH)[None] < 45)
+                ).repeat(BATCH, 0),
+                "all_false": np.zeros((BATCH, LENGTH), bool),
+                "all_true": np.ones((BATCH, LENGTH), bool),
+                "row_broadcast": np.arange(LENGTH)[None] % 3 != 0,
+                "column_broadcast": np.array([[True], [False]]),
+            }
+            for name, mask in cases.items():
+                expected, _ = _np_reference(layer, x, mask)
+                y = layer(x, mask=mask)
+                _assert_close(y, expected, FLOAT32_RTOL, name)
+                invalid = ~np.broadcast_to(mask, (BATCH, LENGTH))
+                self.assertAllEqual(
+                    backend.convert_to_numpy(y)[invalid], 0.0, name
+                )
+            numeric = cases["interior_gap"].astype("float32")
+            _assert_close(
+                layer(x, mask=numeric),
+                layer(x, mask=cases["interior_gap"]),
+                0.0,
+            )
+            self.assertAllEqual(
+                layer(x, mask=np.ones((BATCH, LENGTH), bool)), layer(x)
+            )
+
+    def test_padding_does_not_leak(self):
+        # Sequences of different lengths, padded in one batch (right padding
+        # for both modes, left padding for causal), give the same outputs
+        # at valid steps as each sequence alone. The padding holds large
+        # values and NaN so that any leak shows.
+        lengths = [5, 9]
+        x = _inputs((2, 9, INPUT_DIM))
+        for causal, side in ((False, "right"), (True, "right"), (True, "left")):
+            layer = _built_layer(causal=causal)
+            padded = np.full((2, 12, INPUT_DIM), 1e4, "float32")
+            padded[0, 0] = np.nan
+            mask = np.zeros((2, 12), bool)
+            for i, n in enumerate(lengths):
+                where = slice(0, n) if side == "right" else slice(12 - n, 12)
+                padded[i, where] = x[i, :n]
+                mask[i, where] = True
+            if side == "right":
+                padded[0, 11] = np.nan
+            y = backend.convert_to_numpy(layer(padded, mask=mask))
+            self.assertFalse(np.any(np.isnan(y)))
+            for i, n in enumerate(lengths):
+                alone = layer(x[i : i + 1, :n])
+                _assert_close(y[i : i + 1][:, mask[i]], alone, FLOAT32_RTOL)
+
+    def test_masked_steps_leave_state_unchanged(self):
+        layer = _built_layer(causal=True)
+        x = _inputs()
+        _, state = layer(x[:, :10], return_state=True)
+        mask = np.zeros((BATCH, 7), bool)
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            y, new_state = layer(
+                x[:, 10:17], mask=mask, initial_state=state, return_state=True
+            )
+            self.assertAllEqual(y, np.zeros(y.shape))
+            for before, after in zip(state, new_state):
+                self.assertAllEqual(before, after)
+
+    def test_implicit_mask_and_propagation(self):
+        tokens = np.array([[3, 5, 2, 0, 0], [0, 0, 4, 1, 7]])
+        for causal in (False, True):
+            inputs = layers.Input((None,), dtype="int32")
+            embedded = layers.Embedding(10, 8, mask_zero=True)(inputs)
+            attention = LinearAttention(2, 4, causal=causal)
+            outputs = attention(embedded)
+            self.assertIsNotNone(backend.get_keras_mask(outputs))
+            model = models.Model(inputs, outputs)
+            y = model(tokens)
+            embedding = model.layers[1]
+            explicit = attention(embedding(tokens), mask=tokens != 0)
+            self.assertAllClose(y, explicit)
+            self.assertAllEqual(backend.convert_to_numpy(y)[tokens == 0], 0.0)
+            # Eager propagation to the output, and through a Functional
+            # model to the next layer.
+            mask = backend.get_keras_mask(attention(embedding(tokens)))
+            self.assertAllEqual(mask, tokens != 0)
+            self.assertAllEqual(
+                attention.compute_mask(None, tokens != 0), tokens != 0
+            )
+
+    # State.
+
+    def test_state_shape_and_dtype(self):
+        layer = _layer(causal=True)
+        state = layer.get_initial_state(3)  # before build
+        self.assertFalse(layer.built)
+        self.assertEqual(
+            [tuple(s.shape) for s in state], [(3, 2, 3, 5), (3, 2, 3)]
+        )
+        for length in (1, 5, 131):
+            _, state = layer(_inputs((3, length, 8)), return_state=True)
+            self.assertEqual(
+                [tuple(s.shape) for s in state], [(3, 2, 3, 5), (3, 2, 3)]
+            )
+            for s in state:
+                self.assertDType(s, "float32")
+        unnormalized = _layer(causal=True, use_normalizer=False)
+        state = unnormalized.get_initial_state(2)
+        self.assertLen(state, 1)
+        _, state = unnormalized(_inputs(), return_state=True)
+        self.assertEqual([tuple(s.shape) for s in state], [(2, 2, 3, 5)])
+        scalar_batch = layer.get_initial_state(ops.convert_to_tensor(4))
+        self.assertEqual(tuple(scalar_batch[0].shape), (4, 2, 3, 5))
+        with self.assertRaisesRegex(ValueError, "only available for causal"):
+            _layer().get_initial_state(2)
+
+    @parameterized.named_parameters(
+        ("bare_tensor", lambda s: s[0], "tuple of 2"),
+        ("too_few", lambda s: s[:1], "tuple of 2"),
+        ("too_many", lambda s: s + s[:1], "tuple of 2"),
+        ("rank", lambda s: (s[0][0], s[1]), "key_value_state.*shape"),
+        ("shape", lambda s: (s[0][..., :2], s[1]), r"\(3, 2, 3, 5\)"),
+        ("batch", lambda s: (s[0][:1], s[1][:1]), "batch size"),
+        (
+            "integer",
+            lambda s: (s[0], ops.cast(s[1], "int32")),
+            "key_state.*floating",
+        ),
+    )
+    def test_invalid_state(self, transform, message):
+        layer = _layer(causal=True)
+        state = transform(layer.get_initial_state(3))
+        with self.assertRaisesRegex(ValueError, message):
+            layer(_inputs((3, 4, 8)), initial_state=state)
+
+    def test_state_not_saved(self):
+        layer = _layer(causal=True)
+        inputs = layers.Input((None, 8))
+        model = models.Model(inputs, layer(inputs))
+        layer(_inputs(), return_state=True)
+        self.assertNotIn("state", json.dumps(layer.get_config()))
+        path = os.path.join(self.get_temp_dir(), "model.keras")
+        model.save(path)
+        with zipfile.ZipFile(path) as archive:
+            self.assertNotIn("state", archive.read("config.json").decode())
+            import h5py
+
+            with archive.open("model.weights.h5") as file:
+                with h5py.File(file) as weights:
+                    datasets = []
+                    weights.visititems(
+                        lambda name, obj: (
+                            datasets.append(name)
+                            if isinstance(obj, h5py.Dataset)
+                            else None
+                        )
+                    )
+        self.assertLen(datasets, len(model.weights))
+        self.assertLen(model.weights, 8)
+
+    # Serialization and models.
+
+    def test_save_load_clone_and_model_types(self):
+        x = _inputs()
+        for kwargs in ({}, {"causal": True, "feature_map": "relu"}):
+            inputs = layers.Input((None, INPUT_DIM))
+            outputs = _layer(**kwargs)(inputs)
+            functional = models.Model(inputs, outputs)
+            expected = backend.convert_to_numpy(functional(x))
+            path = os.path.join(self.get_temp_dir(), "functional.keras")
+            functional.save(path)
+            loaded = saving.load_model(path)
+            self.assertIsInstance(loaded.layers[1], LinearAttention)
+            self.assertAllClose(loaded(x), expected, atol=0, rtol=0)
+            clone = cloning.clone_model(functional)
+            clone.set_weights(functional.get_weights())
+            self.assertAllClose(clone(x), expected, atol=0, rtol=0)
+
+            sequential = models.Sequential(
+                [layers.Input((None, INPUT_DIM)), _layer(**kwargs)]
+            )
+            sequential.set_weights(functional.get_weights())
+            self.assertAllClose(sequential(x), expected, atol=0, rtol=0)
+            path = os.path.join(self.get_temp_dir(), "sequential.keras")
+            sequential.save(path)
+            self.assertAllClose(
+                saving.load_model(path)(x), expected, atol=0, rtol=0
+            )
+
+        class Subclassed(models.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.attention = LinearAttention(2, 4, causal=True)
+                self.dense = layers.Dense(3)
+
+            def call(self, x):
+                return self.dense(self.attention(x))
+
+        model = Subclassed()
+        self.assertEqual(model(x).shape, (BATCH, LENGTH, 3))
+        self.assertLen(model.trainable_weights, 10)
+
+    def test_dynamic_length_functional_model(self):
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(causal=True)
+        model = models.Model(inputs, layer(inputs))
+        for length in (1, 3, 70):
+            x = _inputs((BATCH, length, INPUT_DIM))
+            expected, _ = _np_reference(layer, x)
+            _assert_close(model.predict(x, verbose=0), expected, FLOAT32_RTOL)
+
+    def test_custom_feature_map_serialization(self):
+        layer = _layer(causal=True, feature_map=squared_relu_plus_one)
+        config = layer.get_config()
+        self.assertEqual(
+            config["feature_map"]["config"],
+            "LinearAttentionTest>squared_relu_plus_one",
+        )
+        revived = LinearAttention.from_config(config)
+        self.assertIs(revived.feature_map, squared_relu_plus_one)
+        inputs = layers.Input((None, INPUT_DIM))
+        model = models.Model(inputs, layer(inputs))
+        path = os.path.join(self.get_temp_dir(), "custom.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        self.assertIs(loaded.layers[1].feature_map, squared_relu_plus_one)
+        x = _inputs()
+        self.assertAllClose(loaded(x), model(x), atol=0, rtol=0)
+
+    def test_unregistered_feature_map(self):
+        layer = _layer(feature_map=unregistered_feature_map)
+        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, INPUT_DIM))
+        with self.assertRaisesRegex(ValueError, "register_keras_serializable"):
+            layer.get_config()
+
+    # Dropout.
+
+    def test_dropout(self):
+        layer = _built_layer(dropout=0.5, causal=True)
+        self.assertLen(testing.test_case.get_seed_generators(layer), 1)
+        self.assertEmpty(testing.test_case.get_seed_generators(_built_layer()))
+        x = _inputs()
+        inference = layer(x, training=False)
+        self.assertAllClose(inference, layer(x))
+        self.assertNotAllClose(layer(x, training=True), inference)
+        # Same seed and weights: same dropout masks.
+        first = _built_layer(dropout=0.5, seed=7)
+        second = _built_layer(dropout=0.5, seed=7)
+        second.set_weights(first.get_weights())
+        self.assertAllClose(first(x, training=True), second(x, training=True))
+        # Chunked inference matches full inference with dropout configured.
+        streamed, _ = _stream(layer, x, [30, 40])
+        _assert_close(streamed, inference, FLOAT32_PARITY_RTOL)
+
+    # Precision.
+
+    @parameterized.named_parameters(
+        ("float16", "float16"), ("bfloat16", "bfloat16")
+    )
+    def test_mixed_precision(self, dtype):
+        policy = f"mixed_{dtype}"
+        x = _inputs()
+        for causal in (False, True):
+            layer = _built_layer(causal=causal, dtype=policy)
+            reference = _built_layer(causal=causal)
+            reference.set_weights(layer.get_weights())
+            for variable in layer.weights:
+                self.assertDType(variable, "float32")
+            call_kwargs = {"return_state": True} if causal else {}
+            outputs = layer(x, **call_kwargs)
+            y = outputs[0] if causal else outputs
+            self.assertDType(y, dtype)
+            _assert_close(y, reference(x), MIXED_RTOL[dtype])
+            if causal:
+                for s in outputs[1]:
+                    self.assertDType(s, "float32")
+                self.assertEqual(layer.accumulator_dtype, "float32")
+                for s in layer.get_initial_state(2):
+                    self.assertDType(s, "float32")
+                spec = layer.compute_output_spec(
+                    backend.KerasTensor((None, 4, INPUT_DIM), dtype=dtype),
+                    return_state=True,
+                )
+                self.assertEqual(spec[0].dtype, dtype)
+                self.assertEqual([s.dtype for s in spec[1]], ["float32"] * 2)
+
+    def test_float64_preserved(self):
+        with _float64_enabled():
+            layer = _built_layer(causal=True, dtype="float64")
+            x = _inputs(dtype="float64")
+            expected, expected_state = _np_reference(layer, x)
+            y, state = layer(x, return_state=True)
+            self.assertDType(y, "float64")
+            for actual, reference in zip(state, expected_state):
+                self.assertDType(actual, "float64")
+                _assert_close(actual, reference, FLOAT64_RTOL)
+            _assert_close(y, expected, FLOAT64_RTOL)
+
+    def test_float64_numerical_gradient(self):
+        with _float64_enabled():
+            for causal in (False, True):
+                layer = _built_layer(causal=causal, dtype="float64")
+                x = _inputs((1, 9, INPUT_DIM), dtype="float64")
+                upstream = _inputs((1, 9, INPUT_DIM), seed=2, dtype="float64")
+                analytic = _gradients(layer, x, upstream)[0]
+
+                def loss(x):
+                    y = backend.convert_to_numpy(layer(x))
+                    return float(np.sum(y * upstream))
+
+                step = 1e-6
+                numeric = np.zeros_like(x)
+                for index in np.ndindex(*x.shape):
+                    shifted = x.copy()
+                    shifted[index] += step
+                    plus = loss(shifted)
+                    shifted[index] -= 2 * step
+                    numeric[index] = (plus - loss(shifted)) / (2 * step)
+                _assert_close(analytic, numeric, FINITE_DIFFERENCE_RTOL)
+
+    @pytest.mark.requires_trainable_backend
+    def test_long_sequence_half_precision_is_finite(self):
+        length = 16384
+        x = _inputs((1, length, 4))
+        upstream = _inputs((1, length, 4), seed=1)
+        for dtype in ("float16", "bfloat16"):
+            layer = LinearAttention(
+                1, 4, causal=True, dtype=f"mixed_{dtype}", seed=0
+            )
+            y, state = layer(x, return_state=True)
+            self.assertTrue(np.all(np.isfinite(backend.convert_to_numpy(y))))
+            for s in state:
+                self.assertTrue(
+                    np.all(np.isfinite(backend.convert_to_numpy(s)))
+                )
+            for gradient in _gradients(layer, x, upstream):
+                self.assertTrue(np.all(np.isfinite(gradient)), dtype)
+
+    def test_near_zero_denominators_are_finite(self):
+        # relu of negative projections is 0, so features are epsilon and the
+        # denominator is ~epsilon^2: outputs and gradients must stay finite.
+        x = -np.abs(_inputs())
+        for causal in (False, True):
+            layer = LinearAttention(
+                2,
+                3,
+                causal=causal,
+                feature_map="relu",
+                kernel_initializer="ones",
+            )
+            y = backend.convert_to_numpy(layer(x))
+            self.assertTrue(np.all(np.isfinite(y)))
+            for gradient in _gradients(layer, x, _inputs(seed=1)):
+                self.assertTrue(np.all(np.isfinite(gradient)))
+
+    # Compiled execution.
+
+    @pytest.mark.requires_trainable_backend
+    def test_compiled_dynamic_lengths(self):
+        x = _inputs()
+        lengths = (LENGTH, 9)
+        if backend.backend() == "torch":
+            # `torch.compile` works, but compiling the causal layer costs
+            # ~50 s on a 2-core CPU and each new length recompiles: one
+            # length keeps the suite fast.
+            lengths = (LENGTH,)
+        for causal in (False, True):
+            inputs = layers.Input((None, INPUT_DIM))
+            layer = _layer(causal=causal)
+            model = models.Model(inputs, layer(inputs))
+            model.compile(jit_compile=True)
+            for length in lengths:
+                expected, _ = _np_reference(layer, x[:, :length])
+                _assert_close(
+                    model.predict(x[:, :length], verbose=0),
+                    expected,
+                    FLOAT32_RTOL,
+                )
+        if backend.backend() == "jax":
+            import jax
+
+            layer = _built_layer(causal=True)
+            trainable = [v.value for v in layer.trainable_variables]
+
+            @jax.jit
+            def step(x, state):
+                return layer.stateless_call(
+                    trainable, [], x, initial_state=state, return_state=True
+                )[0]
+
+            _, state = step(x[:, :1], layer.get_initial_state(BATCH))
+            expected, _ = _np_reference(layer, x[:, :2])
+            y, _ = step(x[:, 1:2], state)
+            _assert_close(y, expected[:, 1:2], FLOAT32_RTOL)
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            layer = _built_layer(causal=True)
+            function = tf.function(
+                lambda x: layer(x, return_state=True),
+                jit_compile=True,
+                input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
+            )
+            for length in (LENGTH, 9):
+                expected, _ = _np_reference(layer, x[:, :length])
+                _assert_close(
+                    function(x[:, :length])[0], expected, FLOAT32_RTOL
+                )
+
+    # Bad input.
+
+    def test_bad_inputs(self):
+        layer = _layer(causal=True)
+        with self.assertRaisesRegex(ValueError, "rank 3"):
+            layer(_inputs((2, 8)))
+        with self.assertRaisesRegex(ValueError, "rank 3"):
+            layer(_inputs((2, 3, 4, 8)))
+        with self.assertRaisesRegex(ValueError, "floating-point"):
+            _layer()(np.ones((2, 3, 8), "int32"))
+        with self.assertRaisesRegex(ValueError, "input_dim.*must be known"):
+            _layer()(layers.Input((None, None)))
+        x = _inputs()
+        with self.assertRaisesRegex(ValueError, "2-D sequence mask"):
+            layer(x, mask=np.ones((BATCH, LENGTH, LENGTH), bool))
+        with self.assertRaisesRegex(ValueError, "2-D sequence mask"):
+            layer(x, mask=np.ones((BATCH, LENGTH + 1), bool))
+        with self.assertRaisesRegex(ValueError, "(?i)cross-attention"):
+            layer(x, x)
+        with self.assertRaisesRegex(ValueError, "(?i)cross-attention"):
+            _layer()([x, x])
+        with self.assertRaises((TypeError, ValueError)):
+            _layer()(query=x, value=x)
+        non_causal = _layer()
+        with self.assertRaisesRegex(ValueError, "only supported by causal"):
+            non_causal(x, return_state=True)
+        with self.assertRaisesRegex(ValueError, "only supported by causal"):
+            non_causal(x, initial_state=layer.get_initial_state(BATCH))
+
+    def test_docstring_examples(self):
+        import keras
+
+        finder = doctest.DocTestFinder()
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in finder.find(
+            linear_attention.LinearAttention, globs={"keras": keras}
+        ):
+            runner.run(test)
+        result = runner.summarize(verbose=False)
+        self.assertGreater(result.attempted, 10)
+        self.assertEqual(result.failed, 0)
+
+
+class _float64_enabled:
+    """Enables float64 on JAX (off by default there) for a block."""
+
+    def __enter__(self):
+        self._previous = None
+        if backend.backend() == "jax":
+            import jax
+
+            self._previous = jax.config.jax_enable_x64
+            jax.config.update("jax_enable_x64", True)
+        return self
+
+    def __exit__(self, *args):
+        if self._previous is not None:
+            import jax
+
+            jax.config.update("jax_enable_x64", self._previous)
