@@ -40,6 +40,7 @@ Usage: python tools/upstream.py [sync|restore|check|clean] [--repo DIR]
 import argparse
 import ast
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -132,8 +133,11 @@ def sdist_path(pin, log=print):
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-binary", ":all:",
-            "--no-deps", "--no-build-isolation", f"keras=={pin}", "-d", tmp,
+            "--no-deps", f"keras=={pin}", "-d", tmp,
         ]  # fmt: skip
+        if importlib.util.find_spec("setuptools"):
+            # pip reads the sdist's metadata; skip fetching a build env.
+            cmd.insert(-3, "--no-build-isolation")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         got = sorted(Path(tmp).glob("keras-*.tar.gz"))
         if proc.returncode != 0 or len(got) != 1:
