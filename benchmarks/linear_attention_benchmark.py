@@ -1,7 +1,780 @@
-"""Benchmarks of keras.layers.LinearAttention (placeholder).
+"""Speed and memory of `keras.layers.LinearAttention` against softmax attention.
 
-Run with `make bench`. Results will be written under benchmarks/results/
-(ignored by git).
+For the backend selected by `KERAS_BACKEND`, in one process, this measures
+(after warm-up, compiled with `jax.jit`, `tf.function(jit_compile=True)`, or
+PyTorch eager; median of several repeats):
+
+- causal and non-causal forward, and forward+backward, for LinearAttention
+  (`"auto"`, `"parallel"`, `"recurrent"`), `MultiHeadAttention`
+  (`use_causal_mask=True` when causal), and the floor: the four projections
+  alone, which every attention layer pays;
+- peak memory of forward+backward, per process: each point runs in a fresh
+  subprocess that warms up on a short sequence, then reports how much its
+  peak resident set size (`ru_maxrss`) grew during one forward+backward;
+- streaming decode: the latency of one causal step from a carried state, at
+  several positions, against MultiHeadAttention attending from the new token
+  over the whole prefix (recomputing its keys and values, no cache);
+- the crossover length above which LinearAttention is faster.
+
+Shapes: batch 1, 8 heads, key_dim = value_dim = 64, model width 512,
+float32. Results go to `benchmarks/results/<backend>.{md,csv,json,png}`
+(ignored by git). Absolute times vary between machines; the ratios are what
+matter.
+
+Usage:
+
+    KERAS_BACKEND=jax python benchmarks/linear_attention_benchmark.py
+    python benchmarks/linear_attention_benchmark.py --quick    # ~30 s
+    python benchmarks/linear_attention_benchmark.py --summary  # all backends
+
+`make bench` runs all three backends and then the summary.
 """
 
-print("benchmarks: not yet written (see benchmarks/ later)")
+import argparse
+import csv
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+NUM_HEADS, HEAD_DIM, MODEL_DIM = 8, 64, 512
+FULL_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (128, 512, 2048)
+# The recurrent path scans one step at a time (a Python loop on PyTorch).
+RECURRENT_MAX_LENGTH = {"forward": 4096, "forward+backward": 1024}
+# Above this, softmax attention's (T, T) scores do not fit forward+backward.
+MHA_BACKWARD_MAX_LENGTH = 8192
+FULL_DECODE_POSITIONS = (1024, 4096, 16384)
+QUICK_DECODE_POSITIONS = (256, 1024)
+MEMORY_LIMIT_GB = 18
+
+# The targets of the benchmark issue: (name, backend -> bound, "min"/"max").
+TARGETS = [
+    ("LinearAttention / floor, causal forward, T=4k", (1.5, 1.5, 1.5), "max"),
+    ("MHA / LinearAttention, causal forward, T=4k", (6, 12, 2.5), "min"),
+    ("MHA / LinearAttention, causal forward, T=16k", (10, 10, 8), "min"),
+    ("crossover length (causal forward)", (512, 512, 1024), "max"),
+    ("recurrent / parallel, causal forward, T=4k", (3, 1, 10), "min"),
+    ("MHA / LinearAttention, causal fwd+bwd, T=4k", (5, 5, 2.5), "min"),
+    ("peak memory fwd+bwd MHA / LinearAttention, T=16k", (8, 8, 8), "min"),
+    ("decode step latency, 16k / 1k", (1.15, 1.15, 1.15), "max"),
+]
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def _keras():
+    import keras
+
+    return keras
+
+
+def _make_layer(kind, causal):
+    keras = _keras()
+    if kind in ("auto", "parallel", "recurrent"):
+        return keras.layers.LinearAttention(
+            NUM_HEADS, HEAD_DIM, causal=causal, execution_mode=kind
+        )
+    if kind == "mha":
+
+        class SelfAttention(keras.layers.Layer):
+            def __init__(self):
+                super().__init__()
+                self.attention = keras.layers.MultiHeadAttention(
+                    NUM_HEADS, HEAD_DIM
+                )
+
+            def call(self, x):
+                return self.attention(x, x, use_causal_mask=causal)
+
+        return SelfAttention()
+
+    class Projections(keras.layers.Layer):
+        """The floor: query, key, value and output projections only."""
+
+        def __init__(self):
+            super().__init__()
+            self.dense = [
+                keras.layers.EinsumDense(
+                    "btm,mhd->bthd", (None, NUM_HEADS, HEAD_DIM)
+                )
+                for _ in range(3)
+            ]
+            self.output_dense = keras.layers.EinsumDense(
+                "bthd,hdm->btm", (None, MODEL_DIM)
+            )
+
+        def call(self, x):
+            q, k, v = (dense(x) for dense in self.dense)
+            return self.output_dense(q + k + v)
+
+    return Projections()
+
+
+def _compile(layer, mode, **call_kwargs):
+    """A function of `x` running `layer` forward or forward+backward."""
+    keras = _keras()
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def forward(trainable, x):
+            out = layer.stateless_call(
+                trainable, non_trainable, x, **call_kwargs
+            )[0]
+            return out
+
+        if mode == "forward":
+            function = jax.jit(forward)
+        else:
+            function = jax.jit(
+                jax.grad(
+                    lambda w, x: jnp.sum(jax.tree.leaves(forward(w, x))[0]),
+                    argnums=(0, 1),
+                )
+            )
+        return lambda x: jax.block_until_ready(function(trainable, x))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if mode == "forward":
+            function = tf.function(
+                lambda x: layer(x, **call_kwargs), jit_compile=True
+            )
+        else:
+
+            def gradients(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    out = tf.nest.flatten(layer(x, **call_kwargs))[0]
+                    loss = tf.reduce_sum(out)
+                return tape.gradient(
+                    loss, [x] + [v.value for v in layer.trainable_variables]
+                )
+
+            function = tf.function(gradients, jit_compile=True)
+        return lambda x: tf.nest.map_structure(
+            lambda t: t.numpy(), function(tf.convert_to_tensor(x))
+        )
+    import torch
+
+    def run(x):
+        x = torch.as_tensor(x)
+        if mode == "forward":
+            with torch.no_grad():
+                return layer(x, **call_kwargs)
+        x.requires_grad_(True)
+        out = layer(x, **call_kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.sum().backward()
+        for variable in layer.trainable_variables:
+            variable.value.grad = None
+        return x.grad
+
+    return run
+
+
+def _median_time(function, args, repeats):
+    function(*args)  # compile
+    function(*args)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function(*args)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _inputs(length, width=MODEL_DIM, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((1, length, width), dtype=np.float32)
+
+
+def _is_out_of_memory(error):
+    text = f"{type(error).__name__} {error}".lower()
+    return any(
+        word in text
+        for word in ("resource_exhausted", "resourceexhausted", "memory")
+    )
+
+
+def measure_times(lengths, repeats, log):
+    keras = _keras()
+    rows = []
+    kinds = ("auto", "parallel", "recurrent", "mha", "floor")
+    for causal in (True, False):
+        for mode in ("forward", "forward+backward"):
+            for kind in kinds:
+                if not causal and kind in ("parallel", "recurrent"):
+                    continue  # one non-causal algorithm, measured as "auto"
+                layer = _make_layer(kind, causal)
+                layer(_inputs(8))
+                for length in lengths:
+                    if kind == "recurrent" and (
+                        length > RECURRENT_MAX_LENGTH[mode]
+                    ):
+                        continue
+                    if (
+                        kind == "mha"
+                        and mode != "forward"
+                        and length > MHA_BACKWARD_MAX_LENGTH
+                    ):
+                        continue
+                    row = {
+                        "backend": keras.backend.backend(),
+                        "causal": causal,
+                        "mode": mode,
+                        "layer": kind,
+                        "length": length,
+                    }
+                    try:
+                        seconds = _median_time(
+                            _compile(layer, mode), (_inputs(length),), repeats
+                        )
+                        row["ms"] = round(seconds * 1e3, 3)
+                    except Exception as error:  # report, never crash
+                        if not _is_out_of_memory(error):
+                            raise
+                        row["ms"] = None
+                        row["note"] = "out of memory"
+                    rows.append(row)
+                    log(
+                        f"  {'causal' if causal else 'non-causal':10} "
+                        f"{mode:16} {kind:9} T={length:<6} "
+                        f"{row['ms'] if row['ms'] is not None else 'OOM'} ms"
+                    )
+    return rows
+
+
+def measure_decode(positions, repeats, log):
+    keras = _keras()
+    backend = keras.backend.backend()
+    rows = []
+    linear = _make_layer("auto", True)
+    mha = keras.layers.MultiHeadAttention(NUM_HEADS, HEAD_DIM)
+    for position in positions:
+        prefix = _inputs(position + 1)
+        token = prefix[:, -1:]
+        _, state = linear(prefix[:, :-1], return_state=True)
+        state = tuple(keras.ops.convert_to_numpy(s) for s in state)
+        mha(token, prefix)
+        if backend == "jax":
+            import jax
+
+            weights = [v.value for v in linear.trainable_variables]
+            step = jax.jit(
+                lambda w, x, s: linear.stateless_call(
+                    w, [], x, initial_state=s, return_state=True
+                )[0]
+            )
+            mha_weights = [v.value for v in mha.trainable_variables]
+            attend = jax.jit(lambda w, q, v: mha.stateless_call(w, [], q, v)[0])
+
+            def linear_step():
+                return jax.block_until_ready(step(weights, token, state))
+
+            def mha_step():
+                return jax.block_until_ready(attend(mha_weights, token, prefix))
+
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            step = tf.function(
+                lambda x, s: linear(x, initial_state=s, return_state=True),
+                jit_compile=True,
+            )
+            attend = tf.function(lambda q, v: mha(q, v), jit_compile=True)
+
+            def linear_step():
+                return step(token, state)[0].numpy()
+
+            def mha_step():
+                return attend(token, prefix).numpy()
+
+        else:
+            import torch
+
+            token_t, prefix_t = torch.as_tensor(token), torch.as_tensor(prefix)
+            state_t = tuple(torch.as_tensor(s) for s in state)
+
+            def linear_step():
+                with torch.no_grad():
+                    return linear(
+                        token_t, initial_state=state_t, return_state=True
+                    )
+
+            def mha_step():
+                with torch.no_grad():
+                    return mha(token_t, prefix_t)
+
+        for name, function in (("linear", linear_step), ("mha", mha_step)):
+            seconds = _median_time(function, (), repeats * 5)
+            rows.append(
+                {
+                    "backend": backend,
+                    "layer": name,
+                    "position": position,
+                    "ms": round(seconds * 1e3, 4),
+                }
+            )
+            log(
+                f"  decode {name:6} position={position:<6} "
+                f"{seconds * 1e3:.3f} ms"
+            )
+    return rows
+
+
+def measure_memory(lengths, log):
+    """Peak RSS growth of one forward+backward, one subprocess per point."""
+    keras = _keras()
+    rows = []
+    for kind in ("auto", "mha"):
+        for length in lengths:
+            command = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--memory-point",
+                kind,
+                str(length),
+            ]
+            result = subprocess.run(
+                command, capture_output=True, text=True, env=dict(os.environ)
+            )
+            lines = result.stdout.strip().splitlines()
+            row = {
+                "backend": keras.backend.backend(),
+                "layer": kind,
+                "length": length,
+                "peak_mb": None,
+            }
+            if result.returncode == 0 and lines:
+                row.update(json.loads(lines[-1]))
+            else:
+                row["note"] = (
+                    "failed: "
+                    + (result.stderr.strip().splitlines() or ["?"])[-1][:200]
+                )
+            rows.append(row)
+            log(
+                f"  memory {kind:5} T={length:<6} "
+                f"{row['peak_mb'] if row['peak_mb'] is not None else row}"
+            )
+    return rows
+
+
+def _memory_point(kind, length):
+    layer = _make_layer(kind, True)
+    layer(_inputs(8))
+    warm = _compile(layer, "forward+backward")
+    warm(_inputs(128))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    x = _inputs(length)
+    try:
+        _compile(layer, "forward+backward")(x)
+    except Exception as error:
+        if not _is_out_of_memory(error):
+            raise
+        limit_mb = MEMORY_LIMIT_GB * 1024
+        print(json.dumps({"peak_mb": None, "note": f"> {limit_mb} MB (OOM)"}))
+        return
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": round((after - before) / 1024, 1)}))
+
+
+def _ratio(a, b):
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _time(rows, layer, length, causal=True, mode="forward"):
+    for row in rows:
+        if (row["layer"], row["length"], row["causal"], row["mode"]) == (
+            layer,
+            length,
+            causal,
+            mode,
+        ):
+            return row.get("ms")
+    return None
+
+
+def crossover(rows):
+    """Length where causal forward MHA time / LinearAttention time = 1."""
+    points = sorted(
+        (row["length"], _ratio(_time(rows, "mha", row["length"]), row["ms"]))
+        for row in rows
+        if row["layer"] == "auto" and row["causal"] and row["mode"] == "forward"
+    )
+    points = [(n, r) for n, r in points if r is not None]
+    if not points:
+        return None, "n/a"
+    if points[0][1] >= 1:
+        return points[0][0], f"<= {points[0][0]}"
+    for (n0, r0), (n1, r1) in zip(points, points[1:]):
+        if r1 >= 1 > r0:
+            # Interpolate log(ratio) linearly in log(length).
+            t = (0 - np.log(r0)) / (np.log(r1) - np.log(r0))
+            length = float(np.exp(np.log(n0) + t * (np.log(n1) - np.log(n0))))
+            return length, f"{length:.0f}"
+    return None, f"> {points[-1][0]}"
+
+
+def target_values(results):
+    rows, memory, decode = (
+        results["times"],
+        results["memory"],
+        results["decode"],
+    )
+
+    def peak(layer, length):
+        for row in memory:
+            if row["layer"] == layer and row["length"] == length:
+                return row.get("peak_mb")
+        return None
+
+    def step(layer, position):
+        for row in decode:
+            if row["layer"] == layer and row["position"] == position:
+                return row["ms"]
+        return None
+
+    cross, cross_text = crossover(rows)
+    return [
+        _ratio(_time(rows, "auto", 4096), _time(rows, "floor", 4096)),
+        _ratio(_time(rows, "mha", 4096), _time(rows, "auto", 4096)),
+        _ratio(_time(rows, "mha", 16384), _time(rows, "auto", 16384)),
+        (cross, cross_text),
+        _ratio(_time(rows, "recurrent", 4096), _time(rows, "parallel", 4096)),
+        _ratio(
+            _time(rows, "mha", 4096, mode="forward+backward"),
+            _time(rows, "auto", 4096, mode="forward+backward"),
+        ),
+        _ratio(peak("mha", 16384), peak("auto", 16384)),
+        _ratio(step("linear", 16384), step("linear", 1024)),
+    ]
+
+
+def targets_table(all_results):
+    backends = [b for b in BACKENDS if b in all_results]
+    values = {b: target_values(all_results[b]) for b in backends}
+    lines = [
+        "| target | " + " | ".join(backends) + " |",
+        "|---|" + "---|" * len(backends),
+    ]
+    for index, (name, bounds, kind) in enumerate(TARGETS):
+        cells = []
+        for backend in backends:
+            bound = bounds[BACKENDS.index(backend)]
+            value = values[backend][index]
+            if isinstance(value, tuple):
+                number, text = value
+            else:
+                number = value
+                text = "n/a" if value is None else f"{value:.2f}"
+            if number is None:
+                # Only the crossover has a text without a number: "<= 128"
+                # (faster everywhere) or "> 16384" (never faster).
+                ok = {"<": True, ">": False}.get(text[:1])
+            else:
+                ok = number <= bound if kind == "max" else number >= bound
+            mark = {True: "ok", False: "MISSED", None: "?"}[ok]
+            sign = "<=" if kind == "max" else ">="
+            cells.append(f"{text} ({sign} {bound}: {mark})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results):
+    rows = results["times"]
+    lengths = sorted({row["length"] for row in rows})
+    lines = [
+        f"### {results['backend']} ({results['machine']})",
+        "",
+        "Time in ms (median). `auto`/`parallel`/`recurrent`: "
+        "LinearAttention; `mha`: MultiHeadAttention; `floor`: the four "
+        "projections alone.",
+        "",
+    ]
+    for causal in (True, False):
+        for mode in ("forward", "forward+backward"):
+            kinds = [
+                k
+                for k in ("auto", "parallel", "recurrent", "mha", "floor")
+                if any(
+                    r["layer"] == k
+                    and r["causal"] == causal
+                    and r["mode"] == mode
+                    for r in rows
+                )
+            ]
+            lines.append(f"**{'causal' if causal else 'non-causal'}, {mode}**")
+            lines.append("")
+            lines.append("| T | " + " | ".join(kinds) + " | mha / auto |")
+            lines.append("|---|" + "---|" * (len(kinds) + 1))
+            for length in lengths:
+                cells = []
+                for kind in kinds:
+                    value = _time(rows, kind, length, causal, mode)
+                    cells.append("-" if value is None else f"{value:.1f}")
+                ratio = _ratio(
+                    _time(rows, "mha", length, causal, mode),
+                    _time(rows, "auto", length, causal, mode),
+                )
+                ratio = "-" if ratio is None else f"{ratio:.2f}"
+                lines.append(
+                    f"| {length} | " + " | ".join(cells) + f" | {ratio} |"
+                )
+            lines.append("")
+    lines.append(f"Crossover length (causal forward): {crossover(rows)[1]}")
+    lines.append("")
+    if results["memory"]:
+        lines.append(
+            "**Peak memory, causal forward+backward (MB of RSS growth)**"
+        )
+        lines.append("")
+        lines.append("| T | LinearAttention | MultiHeadAttention |")
+        lines.append("|---|---|---|")
+        for length in sorted({r["length"] for r in results["memory"]}):
+            cells = []
+            for kind in ("auto", "mha"):
+                row = next(
+                    r
+                    for r in results["memory"]
+                    if r["layer"] == kind and r["length"] == length
+                )
+                value = row.get("peak_mb")
+                cells.append(
+                    str(value) if value is not None else row.get("note", "?")
+                )
+            lines.append(f"| {length} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if results["decode"]:
+        lines.append("**Decode: one causal step at a position (ms)**")
+        lines.append("")
+        lines.append("| position | LinearAttention (state) | MHA (prefix) |")
+        lines.append("|---|---|---|")
+        for position in sorted({r["position"] for r in results["decode"]}):
+            cells = [
+                str(
+                    next(
+                        r["ms"]
+                        for r in results["decode"]
+                        if r["layer"] == kind and r["position"] == position
+                    )
+                )
+                for kind in ("linear", "mha")
+            ]
+            lines.append(f"| {position} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    rows = results["times"]
+    for kind, style in (
+        ("auto", "o-"),
+        ("recurrent", "s:"),
+        ("mha", "^-"),
+        ("floor", "k--"),
+    ):
+        points = sorted(
+            (r["length"], r["ms"])
+            for r in rows
+            if r["layer"] == kind
+            and r["causal"]
+            and r["mode"] == "forward"
+            and r.get("ms") is not None
+        )
+        if points:
+            axes[0].plot(*zip(*points), style, label=kind)
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length",
+        ylabel="ms",
+        title="causal forward time",
+    )
+    axes[0].legend()
+    for kind, label in (("auto", "LinearAttention"), ("mha", "MHA")):
+        points = sorted(
+            (r["length"], r["peak_mb"])
+            for r in results["memory"]
+            if r["layer"] == kind and r.get("peak_mb") is not None
+        )
+        if points:
+            axes[1].plot(*zip(*points), "o-", label=label)
+    axes[1].set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length",
+        ylabel="MB",
+        title="peak memory, forward+backward",
+    )
+    axes[1].legend()
+    for kind, label in (("linear", "LinearAttention"), ("mha", "MHA")):
+        points = sorted(
+            (r["position"], r["ms"])
+            for r in results["decode"]
+            if r["layer"] == kind
+        )
+        if points:
+            axes[2].plot(*zip(*points), "o-", label=label)
+    axes[2].set(
+        xscale="log",
+        yscale="log",
+        xlabel="position",
+        ylabel="ms per token",
+        title="decode step latency",
+    )
+    axes[2].legend()
+    figure.suptitle(
+        f"LinearAttention vs MultiHeadAttention, {results['backend']}, "
+        f"{results['date']}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def versions():
+    keras = _keras()
+    info = {"keras": keras.__version__, "numpy": np.__version__}
+    backend = keras.backend.backend()
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+    if backend in module:
+        info[backend] = __import__(module[backend]).__version__
+    return info
+
+
+def run(args):
+    keras = _keras()
+    backend = keras.backend.backend()
+    lengths = args.lengths or (
+        QUICK_LENGTHS if args.quick or args.smoke else FULL_LENGTHS
+    )
+    positions = QUICK_DECODE_POSITIONS if args.quick else FULL_DECODE_POSITIONS
+    repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 5)
+    if args.smoke:
+        lengths, positions = (128,), (64,)
+
+    def log(text):
+        print(text, flush=True)
+
+    log(f"LinearAttention benchmark, backend {backend}: T in {lengths}")
+    start = time.time()
+    results = {
+        "backend": backend,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"{platform.python_implementation()} {platform.python_version()}",
+        "versions": versions(),
+        "shapes": {
+            "batch": 1,
+            "heads": NUM_HEADS,
+            "key_dim": HEAD_DIM,
+            "value_dim": HEAD_DIM,
+            "model_dim": MODEL_DIM,
+            "dtype": "float32",
+        },
+        "times": measure_times(lengths, repeats, log),
+        "decode": measure_decode(positions, repeats, log),
+        "memory": [] if args.no_memory else measure_memory(lengths, log),
+    }
+    results["seconds"] = round(time.time() - start, 1)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, backend)
+    with open(base + ".json", "w") as file:
+        json.dump(results, file, indent=1)
+    with open(base + ".csv", "w", newline="") as file:
+        writer = csv.DictWriter(
+            file,
+            fieldnames=[
+                "backend",
+                "causal",
+                "mode",
+                "layer",
+                "length",
+                "ms",
+                "note",
+            ],
+        )
+        writer.writeheader()
+        writer.writerows(results["times"])
+    text = markdown(results)
+    text += "\n" + targets_table({backend: results}) + "\n"
+    with open(base + ".md", "w") as file:
+        file.write(text)
+    plot(results, base + ".png")
+    print()
+    print(text)
+    print(f"Wrote {base}.md/.csv/.json/.png in {results['seconds']} s")
+
+
+def summary(out):
+    all_results = {}
+    for backend in BACKENDS:
+        path = os.path.join(out, backend + ".json")
+        if os.path.exists(path):
+            with open(path) as file:
+                all_results[backend] = json.load(file)
+    if not all_results:
+        sys.exit(f"No results in {out}: run the benchmark first.")
+    text = targets_table(all_results)
+    with open(os.path.join(out, "targets.md"), "w") as file:
+        file.write(text + "\n")
+    print(text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~30 s")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one tiny point, for tests"
+    )
+    parser.add_argument("--lengths", type=int, nargs="+")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the targets table of all backends' saved results",
+    )
+    parser.add_argument("--memory-point", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=MEMORY_LIMIT_GB,
+        help="address-space limit, so that softmax attention's (T, T) "
+        "tensors fail with an out-of-memory error instead of exhausting "
+        "the machine",
+    )
+    args = parser.parse_args()
+    limit = int(args.memory_limit_gb * (1 << 30))
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if args.summary:
+        summary(args.out)
+    elif args.memory_point:
+        _memory_point(args.memory_point[0], int(args.memory_point[1]))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the project's tests: the tooling tests once, then the project's Keras
-# tests (its own *_test.py files under keras/ and integration_tests/) once
-# per backend. Prints each run's wall time; exits non-zero if any run fails.
+# tests (its own *_test.py files under keras/, integration_tests/ and
+# benchmarks/) once per backend. Prints each run's wall time; exits non-zero
+# if any run fails.
 # Used by `make test`, which sets up the venv and the upstream tree first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ BACKENDS=${BACKENDS:-tensorflow jax torch}
 mapfile -t TESTS < <(
   git ls-files --cached --others --exclude-standard -- \
     'keras/*_test.py' 'integration_tests/*_test.py' \
-    'integration_tests/test_*.py' | sort -u | while read -r f; do
+    'integration_tests/test_*.py' 'benchmarks/*_test.py' | sort -u | while read -r f; do
     [ -f "$f" ] && echo "$f"
   done
 )

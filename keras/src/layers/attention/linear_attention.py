@@ -803,10 +803,13 @@ def _scan(step, initial_state, sequences):
         state, output = step(state, tuple(x.read(t) for x in inputs))
         return t + 1, tuple(state), outputs.write(t, output)
 
+    # `maximum_iterations` lets XLA (`jit_compile=True`) differentiate the
+    # loop.
     _, state, outputs = tf.while_loop(
         lambda t, *_: t < length,
         body,
         (tf.constant(0), tuple(initial_state), outputs),
+        maximum_iterations=length,
     )
     outputs = outputs.stack()
     outputs.set_shape(sequences[0].shape[:1].concatenate(outputs.shape[1:]))

@@ -312,6 +312,7 @@ class LinearAttentionTest(testing.TestCase):
     @parameterized.named_parameters(
         ("non_causal", {}, 8),
         ("causal", {"causal": True}, 8),
+        ("recurrent", {"causal": True, "execution_mode": "recurrent"}, 8),
         ("no_normalizer", {"causal": True, "use_normalizer": False}, 8),
         ("no_bias", {"use_bias": False}, 4),
         (
