@@ -1,0 +1,114 @@
+"""Fixtures shared by the integration tests of `keras.layers.LinearAttention`.
+
+The causal language model of `lm_task.py` is trained once per pytest process
+(that is, once per backend in `make test`) and reused by every test that
+needs a trained model.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import lm_task
+import numpy as np
+import pytest
+
+import keras
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+TRAIN_SAMPLES = 1024
+EVAL_SAMPLES = 256
+BATCH_SIZE = 32
+EPOCHS = 8
+LEARNING_RATE = 3e-3
+SEED = 1
+
+# Subprocess workers import Keras and a backend (TensorFlow alone takes
+# several seconds on a loaded 2-core machine) and may train small models.
+WORKER_TIMEOUT = 600
+
+
+@dataclass
+class TrainedLM:
+    model: keras.Model
+    history: dict
+    initial_eval: dict
+    final_eval: dict
+    x_eval: np.ndarray
+    y_eval: np.ndarray
+    w_eval: np.ndarray
+
+
+def compile_lm(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(LEARNING_RATE),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+
+
+@pytest.fixture(scope="session")
+def trained_lm():
+    keras.utils.set_random_seed(SEED)
+    x, y, w = lm_task.associative_recall_data(TRAIN_SAMPLES, seed=0)
+    x_eval, y_eval, w_eval = lm_task.associative_recall_data(
+        EVAL_SAMPLES, seed=1
+    )
+    model = lm_task.build_lm()
+    compile_lm(model)
+    evaluate = lambda: model.evaluate(  # noqa: E731
+        x_eval,
+        y_eval,
+        sample_weight=w_eval,
+        batch_size=EVAL_SAMPLES,
+        verbose=0,
+        return_dict=True,
+    )
+    initial_eval = evaluate()
+    history = model.fit(
+        x,
+        y,
+        sample_weight=w,
+        batch_size=BATCH_SIZE,
+        epochs=EPOCHS,
+        shuffle=True,
+        verbose=0,
+    )
+    return TrainedLM(
+        model=model,
+        history=history.history,
+        initial_eval=initial_eval,
+        final_eval=evaluate(),
+        x_eval=x_eval,
+        y_eval=y_eval,
+        w_eval=w_eval,
+    )
+
+
+def run_worker(script, *args, backend=None, env=None):
+    """Runs `integration_tests/<script>` in a fresh Python process.
+
+    Returns its stdout; fails the test with the worker's output if it exits
+    with an error. `backend` sets `KERAS_BACKEND` for the worker.
+    """
+    worker_env = dict(os.environ)
+    if backend is not None:
+        worker_env["KERAS_BACKEND"] = backend
+    worker_env.update(env or {})
+    result = subprocess.run(
+        [sys.executable, os.path.join(HERE, script), *map(str, args)],
+        env=worker_env,
+        capture_output=True,
+        text=True,
+        timeout=WORKER_TIMEOUT,
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"{script} {' '.join(map(str, args))} (KERAS_BACKEND="
+            f"{worker_env.get('KERAS_BACKEND')}) exited with "
+            f"{result.returncode}.\n--- stdout ---\n{result.stdout[-5000:]}"
+            f"\n--- stderr ---\n{result.stderr[-5000:]}"
+        )
+    return result.stdout
