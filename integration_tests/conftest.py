@@ -5,9 +5,6 @@ The causal language model of `lm_task.py` is trained once per pytest process
 needs a trained model.
 """
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import lm_task
@@ -16,18 +13,12 @@ import pytest
 
 import keras
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 TRAIN_SAMPLES = 1024
 EVAL_SAMPLES = 256
 BATCH_SIZE = 32
 EPOCHS = 8
 LEARNING_RATE = 3e-3
 SEED = 1
-
-# Subprocess workers import Keras and a backend (TensorFlow alone takes
-# several seconds on a loaded 2-core machine) and may train small models.
-WORKER_TIMEOUT = 600
 
 
 @dataclass
@@ -85,30 +76,3 @@ def trained_lm():
         y_eval=y_eval,
         w_eval=w_eval,
     )
-
-
-def run_worker(script, *args, backend=None, env=None):
-    """Runs `integration_tests/<script>` in a fresh Python process.
-
-    Returns its stdout; fails the test with the worker's output if it exits
-    with an error. `backend` sets `KERAS_BACKEND` for the worker.
-    """
-    worker_env = dict(os.environ)
-    if backend is not None:
-        worker_env["KERAS_BACKEND"] = backend
-    worker_env.update(env or {})
-    result = subprocess.run(
-        [sys.executable, os.path.join(HERE, script), *map(str, args)],
-        env=worker_env,
-        capture_output=True,
-        text=True,
-        timeout=WORKER_TIMEOUT,
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"{script} {' '.join(map(str, args))} (KERAS_BACKEND="
-            f"{worker_env.get('KERAS_BACKEND')}) exited with "
-            f"{result.returncode}.\n--- stdout ---\n{result.stdout[-5000:]}"
-            f"\n--- stderr ---\n{result.stderr[-5000:]}"
-        )
-    return result.stdout
