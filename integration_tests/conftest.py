@@ -17,7 +17,6 @@ TRAIN_SAMPLES = 1024
 EVAL_SAMPLES = 256
 BATCH_SIZE = 32
 EPOCHS = 8
-LEARNING_RATE = 3e-3
 SEED = 1
 
 
@@ -32,14 +31,6 @@ class TrainedLM:
     w_eval: np.ndarray
 
 
-def compile_lm(model):
-    model.compile(
-        optimizer=keras.optimizers.Adam(LEARNING_RATE),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        weighted_metrics=["accuracy"],
-    )
-
-
 @pytest.fixture(scope="session")
 def trained_lm():
     keras.utils.set_random_seed(SEED)
@@ -48,7 +39,7 @@ def trained_lm():
         EVAL_SAMPLES, seed=1
     )
     model = lm_task.build_lm()
-    compile_lm(model)
+    lm_task.compile_lm(model)
     evaluate = lambda: model.evaluate(  # noqa: E731
         x_eval,
         y_eval,

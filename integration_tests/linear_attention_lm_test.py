@@ -191,6 +191,7 @@ def test_left_padded_prompts_match_each_prompt_alone(trained_lm):
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason=(
         "LinearAttention bug: with `initial_state`, the mask attached to "
         "`inputs` (e.g. by `Embedding(mask_zero=True)`) is ignored, so "

@@ -36,6 +36,7 @@ D_MODEL = 32
 NUM_HEADS = 2
 KEY_DIM = 16
 NUM_BLOCKS = 2
+LEARNING_RATE = 3e-3
 
 assert ANSWER_0 + NUM_VALUES <= BOS
 
@@ -70,22 +71,39 @@ def attention_layer_names():
     return [f"attention_{i}" for i in range(NUM_BLOCKS)]
 
 
-def build_lm(attention_kwargs=None, name="linear_attention_lm"):
+def build_lm(attention_kwargs=None, attention_dtypes=None):
     """The Functional causal LM of the integration tests.
 
     `Embedding(mask_zero=True)`, then `NUM_BLOCKS` post-norm residual blocks
     of `LinearAttention(causal=True)` and a feed-forward network, then
     `Dense(VOCAB_SIZE)` logits. Token 0 (`PAD`) is masked: padded steps
     leave every attention state unchanged.
+
+    Args:
+        attention_kwargs: Extra arguments of every `LinearAttention`.
+        attention_dtypes: Optional dict from attention layer name to its
+            `dtype` argument (e.g. a `DTypePolicyMap`).
     """
-    attention_kwargs = attention_kwargs or {}
     tokens = keras.Input(shape=(None,), dtype="int32", name="tokens")
-    layers = _make_layers(attention_kwargs)
+    layers = _make_layers(attention_kwargs or {}, attention_dtypes or {})
     logits, _ = _forward(layers, tokens, states=None)
-    return keras.Model(tokens, logits, name=name)
+    return keras.Model(tokens, logits, name="linear_attention_lm")
 
 
-def _make_layers(attention_kwargs):
+def compile_lm(model, learning_rate=LEARNING_RATE):
+    """Compiles for the task: cross-entropy on logits, answer accuracy.
+
+    Fit and evaluate with the task's `sample_weight`, so that the loss and
+    `accuracy` count the answers only.
+    """
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+
+
+def _make_layers(attention_kwargs, attention_dtypes):
     L = keras.layers
     layers = {
         "embedding": L.Embedding(
@@ -99,6 +117,11 @@ def _make_layers(attention_kwargs):
             causal=True,
             name=f"attention_{i}",
             **attention_kwargs,
+            **(
+                {"dtype": attention_dtypes[f"attention_{i}"]}
+                if f"attention_{i}" in attention_dtypes
+                else {}
+            ),
         )
         layers[f"attention_norm_{i}"] = L.LayerNormalization(
             name=f"attention_norm_{i}"

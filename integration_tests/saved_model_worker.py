@@ -1,0 +1,79 @@
+"""Worker: loads a saved LM on this process's backend and runs it.
+
+Usage: `KERAS_BACKEND=<backend> python saved_model_worker.py MODEL INPUTS
+OUTPUTS`. Loads the `.keras` file MODEL with `keras.saving.load_model` (in
+safe mode), writes its predictions for the token array in the `.npy` file
+INPUTS to the `.npy` file OUTPUTS, and checks on this backend that the
+loaded model still streams (greedy generation with carried states gives the
+full-sequence logits) and survives another save and load. The calling test
+compares OUTPUTS with the predictions of the backend that saved MODEL.
+"""
+
+import os
+import sys
+import tempfile
+
+import lm_task
+import numpy as np
+import workers
+
+import keras
+
+NUM_GENERATED = 3
+
+
+def main(model_path, inputs_path, outputs_path):
+    model = keras.saving.load_model(model_path)
+    inputs = np.load(inputs_path)
+    predictions = np.asarray(model.predict(inputs, verbose=0))
+    np.save(outputs_path, predictions)
+
+    # Streaming after loading: each generated token's logits are the last
+    # logits of a full-sequence call.
+    prompts = inputs[:2, : lm_task.NUM_KEYS + 2]
+    step_model = lm_task.build_step_model(model)
+    tokens, step_logits, _ = lm_task.greedy_generate(
+        step_model,
+        prompts,
+        NUM_GENERATED,
+        lm_task.zero_states(model, len(prompts)),
+        prefill="chunk",
+    )
+    streaming_diff = 0.0
+    for j in range(NUM_GENERATED):
+        sequences = [
+            np.concatenate([p, t[:j]]) for p, t in zip(prompts, tokens)
+        ]
+        full = lm_task.last_logits(model, sequences)
+        streaming_diff = max(
+            streaming_diff, float(np.abs(full - step_logits[:, j]).max())
+        )
+
+    # Save and load again on this backend.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "resaved.keras")
+        model.save(path)
+        reloaded = keras.saving.load_model(path)
+        resave_diff = float(
+            np.abs(
+                np.asarray(reloaded.predict(inputs, verbose=0)) - predictions
+            ).max()
+        )
+
+    workers.print_result(
+        {
+            "backend": keras.backend.backend(),
+            "attention_classes": sorted(
+                {
+                    type(model.get_layer(name)).__name__
+                    for name in lm_task.attention_layer_names()
+                }
+            ),
+            "streaming_max_diff": streaming_diff,
+            "resave_max_diff": resave_diff,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
