@@ -23,7 +23,14 @@ NUM_GENERATED = 3
 
 
 def main(model_path, inputs_path, outputs_path):
-    model = keras.saving.load_model(model_path)
+    # A model compiled on JAX or TensorFlow saves `jit_compile=True` (the
+    # resolved "auto"), which on PyTorch means `torch.compile`: correct,
+    # but it recompiles for every input shape and makes this check take
+    # about a minute. The torch check loads the architecture and weights
+    # without the training configuration.
+    model = keras.saving.load_model(
+        model_path, compile=keras.backend.backend() != "torch"
+    )
     inputs = np.load(inputs_path)
     predictions = np.asarray(model.predict(inputs, verbose=0))
     np.save(outputs_path, predictions)

@@ -27,6 +27,10 @@ def run_worker(script, *args, backend=None, env=None):
     with the worker's output if it exits with an error or prints no result.
     """
     worker_env = dict(os.environ)
+    # The models are tiny: one thread each. On a shared 2-core machine,
+    # PyTorch's default of one thread per core slows tiny ops down by
+    # 10-50x as soon as another process is busy.
+    worker_env.setdefault("OMP_NUM_THREADS", "1")
     if backend is not None:
         worker_env["KERAS_BACKEND"] = backend
     worker_env.update(env or {})
