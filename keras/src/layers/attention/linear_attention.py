@@ -537,10 +537,10 @@ class LinearAttention(Layer):
         # over chunks (never over time steps). A scan over chunks is much
         # faster than `cumsum` here on XLA (JAX, TensorFlow).
         def accumulate(total, summary):
-            return total + summary, total
+            return (total[0] + summary[0],), total[0]
 
         summaries = ops.einsum("bhncd,bhnce->nbhde", key, value)
-        state, entering = ops.scan(accumulate, state, summaries)
+        (state,), entering = _scan(accumulate, (state,), (summaries,))
         outputs = outputs + ops.einsum("bhncd,nbhde->bhnce", query, entering)
         if self.use_normalizer:
             outputs = self._readout(outputs[..., :-1], outputs[..., -1])
@@ -765,14 +765,16 @@ def _standardize_mask(mask, inputs):
 
 
 def _scan(step, initial_state, sequences):
-    """`ops.scan` with per-step outputs that differ from the carry.
+    """`ops.scan` over tuples, with per-step outputs unlike the carry.
 
-    Works around upstream's TensorFlow `scan` (Keras 3.15), which allocates
-    its per-step outputs with the carry's structure, shapes and dtypes, so
-    that an output of another shape fails. On TensorFlow this runs the same
-    loop with `tf.while_loop` and a `TensorArray` for the outputs. Other
-    backends use `ops.scan` (on PyTorch that is a Python loop over steps in
-    upstream's implementation: correct, but slow for long sequences).
+    Works around two limits of upstream's TensorFlow `scan` (Keras 3.15): it
+    allocates its per-step outputs with the carry's structure, shapes and
+    dtypes, so that an output of another shape fails; and its `while_loop`
+    has no `maximum_iterations`, which XLA (`jit_compile=True`) needs to
+    differentiate it. On TensorFlow this runs the same loop with
+    `tf.while_loop` and a `TensorArray` for the outputs. Other backends use
+    `ops.scan` (on PyTorch that is a Python loop over steps in upstream's
+    implementation: correct, but slow for many steps).
     """
     if backend.backend() != "tensorflow":
         return ops.scan(step, initial_state, sequences)

@@ -1030,6 +1030,23 @@ class LinearAttentionTest(testing.TestCase):
                 _assert_close(
                     function(x[:, :length])[0], expected, FLOAT32_RTOL
                 )
+            # Gradients under XLA, through both scans (time steps and
+            # chunks), against eager gradients.
+            upstream = _inputs(seed=5)
+            for mode in ("recurrent", "parallel"):
+                layer.execution_mode = mode
+
+                @tf.function(jit_compile=True)
+                def gradients(x):
+                    with tf.GradientTape() as tape:
+                        tape.watch(x)
+                        loss = tf.reduce_sum(layer(x) * upstream)
+                    return tape.gradient(loss, [x, layer._key_dense.kernel])
+
+                compiled = gradients(tf.constant(x))
+                eager = _gradients(layer, x, upstream)
+                _assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
+                _assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
 
     # Bad input.
 
