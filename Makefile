@@ -46,8 +46,15 @@ test-tools: setup
 demo: setup
 	$(PY) examples/linear_attention_demo.py
 
+# All three backends, one after the other (each in its own process), then
+# the targets table of all three. `make bench BENCH_ARGS=--quick` takes
+# under two minutes.
 bench: setup
-	$(PY) benchmarks/linear_attention_benchmark.py
+	@for backend in $(BACKENDS); do \
+	  KERAS_BACKEND=$$backend $(PY) benchmarks/linear_attention_benchmark.py \
+	    $(BENCH_ARGS) || exit 1; \
+	done
+	$(PY) benchmarks/linear_attention_benchmark.py --summary
 
 wheel: setup
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .

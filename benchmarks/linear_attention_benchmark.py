@@ -697,7 +697,11 @@ def run(args):
         },
         "times": measure_times(lengths, repeats, log),
         "decode": measure_decode(positions, repeats, log),
-        "memory": [] if args.no_memory else measure_memory(lengths, log),
+        "memory": (
+            []
+            if args.no_memory
+            else measure_memory(lengths[-1:] if args.quick else lengths, log)
+        ),
     }
     results["seconds"] = round(time.time() - start, 1)
     os.makedirs(args.out, exist_ok=True)

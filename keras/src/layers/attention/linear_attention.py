@@ -519,7 +519,8 @@ class LinearAttention(Layer):
         padding = (-length) % chunk
 
         def to_chunks(x):
-            x = ops.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))
+            if not isinstance(padding, int) or padding:
+                x = ops.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0)))
             batch, _, heads, features = ops.shape(x)
             x = ops.reshape(x, (batch, -1, chunk, heads, features))
             return ops.transpose(x, (0, 3, 1, 2, 4))
@@ -550,7 +551,9 @@ class LinearAttention(Layer):
         batch, heads = ops.shape(outputs)[0], ops.shape(outputs)[1]
         outputs = ops.transpose(outputs, (0, 2, 3, 1, 4))
         outputs = ops.reshape(outputs, (batch, -1, heads, self.value_dim))
-        return outputs[:, :length], state
+        if not isinstance(padding, int) or padding:
+            outputs = outputs[:, :length]
+        return outputs, state
 
     def _check_call_arguments(self, inputs, initial_state, return_state):
         if isinstance(inputs, (list, tuple, dict)):
