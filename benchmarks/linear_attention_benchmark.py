@@ -9,8 +9,8 @@ PyTorch eager; median of several repeats):
   (`use_causal_mask=True` when causal), and the floor: the four projections
   alone, which every attention layer pays;
 - peak memory of forward+backward, per process: each point runs in a fresh
-  subprocess that warms up on a short sequence, then reports how much its
-  peak resident set size (`ru_maxrss`) grew during one forward+backward;
+  subprocess, and reports its peak resident set size (`ru_maxrss`) minus
+  that of the same subprocess on a 16-step sequence;
 - streaming decode: the latency of one causal step from a carried state, at
   several positions, against MultiHeadAttention attending from the new token
   over the whole prefix (recomputing its keys and values, no cache);
@@ -337,11 +337,17 @@ def measure_decode(positions, repeats, log):
 
 
 def measure_memory(lengths, log):
-    """Peak RSS growth of one forward+backward, one subprocess per point."""
+    """Peak RSS of one forward+backward, one fresh subprocess per point.
+
+    Each point is the subprocess's peak resident set size minus that of the
+    same subprocess on a 16-step sequence: imports, weights and compilation
+    cancel out, what remains is what the sequence length costs.
+    """
     keras = _keras()
     rows = []
     for kind in ("auto", "mha"):
-        for length in lengths:
+        baseline = None
+        for length in (16,) + tuple(lengths):
             command = [
                 sys.executable,
                 os.path.abspath(__file__),
@@ -353,19 +359,28 @@ def measure_memory(lengths, log):
                 command, capture_output=True, text=True, env=dict(os.environ)
             )
             lines = result.stdout.strip().splitlines()
+            peak, note = None, None
+            if result.returncode == 0 and lines:
+                point = json.loads(lines[-1])
+                peak, note = point.get("peak_mb"), point.get("note")
+            else:
+                note = (
+                    "failed: "
+                    + (result.stderr.strip().splitlines() or ["?"])[-1][:200]
+                )
+            if length == 16:
+                baseline = peak
+                continue
             row = {
                 "backend": keras.backend.backend(),
                 "layer": kind,
                 "length": length,
-                "peak_mb": None,
+                "peak_mb": None
+                if peak is None or baseline is None
+                else round(max(peak - baseline, 0.0), 1),
             }
-            if result.returncode == 0 and lines:
-                row.update(json.loads(lines[-1]))
-            else:
-                row["note"] = (
-                    "failed: "
-                    + (result.stderr.strip().splitlines() or ["?"])[-1][:200]
-                )
+            if note:
+                row["note"] = note
             rows.append(row)
             log(
                 f"  memory {kind:5} T={length:<6} "
@@ -377,20 +392,16 @@ def measure_memory(lengths, log):
 def _memory_point(kind, length):
     layer = _make_layer(kind, True)
     layer(_inputs(8))
-    warm = _compile(layer, "forward+backward")
-    warm(_inputs(128))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    x = _inputs(length)
     try:
-        _compile(layer, "forward+backward")(x)
+        _compile(layer, "forward+backward")(_inputs(length))
     except Exception as error:
         if not _is_out_of_memory(error):
             raise
         limit_mb = MEMORY_LIMIT_GB * 1024
         print(json.dumps({"peak_mb": None, "note": f"> {limit_mb} MB (OOM)"}))
         return
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mb": round((after - before) / 1024, 1)}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mb": round(peak, 1)}))
 
 
 def _ratio(a, b):
@@ -680,6 +691,13 @@ def run(args):
         print(text, flush=True)
 
     log(f"LinearAttention benchmark, backend {backend}: T in {lengths}")
+    if args.only_memory:
+        # Re-measure memory into the saved results of this backend.
+        with open(os.path.join(args.out, backend + ".json")) as file:
+            results = json.load(file)
+        results["memory"] = measure_memory(lengths, log)
+        write(results, args.out)
+        return
     start = time.time()
     results = {
         "backend": backend,
@@ -704,8 +722,13 @@ def run(args):
         ),
     }
     results["seconds"] = round(time.time() - start, 1)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, backend)
+    write(results, args.out)
+
+
+def write(results, out):
+    os.makedirs(out, exist_ok=True)
+    backend = results["backend"]
+    base = os.path.join(out, backend)
     with open(base + ".json", "w") as file:
         json.dump(results, file, indent=1)
     with open(base + ".csv", "w", newline="") as file:
@@ -757,6 +780,11 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--only-memory",
+        action="store_true",
+        help="re-measure memory into this backend's saved results",
+    )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument(
         "--summary",

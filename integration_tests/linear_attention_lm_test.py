@@ -11,7 +11,6 @@ import os
 
 import lm_task
 import numpy as np
-import pytest
 
 import keras
 
@@ -189,20 +188,8 @@ def test_left_padded_prompts_match_each_prompt_alone(trained_lm):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "LinearAttention bug: with `initial_state`, the mask attached to "
-        "`inputs` (e.g. by `Embedding(mask_zero=True)`) is ignored, so "
-        "padded steps update the state. `Layer.__call__` fills `mask` only "
-        "for calls with one tensor argument, and `LinearAttention.call` "
-        "does not read `inputs`' mask itself. `lm_task.build_step_model` "
-        "passes the mask explicitly to work around it; remove both when "
-        "fixed (this test then fails as XPASS)."
-    ),
-)
 def test_implicit_mask_with_initial_state():
+    # With `initial_state`, the mask attached to `inputs` still applies.
     embedding = keras.layers.Embedding(10, 8, mask_zero=True)
     layer = keras.layers.LinearAttention(num_heads=2, key_dim=4, causal=True)
     x = embedding(np.array([[0, 0, 3, 4]]))  # two leading padded steps

@@ -141,23 +141,12 @@ def _forward(layers, tokens, states):
     new_states = []
     for i in range(NUM_BLOCKS):
         attention = layers[f"attention_{i}"]
+        # The padding mask reaches the attention implicitly, attached to
+        # `x` by `Embedding(mask_zero=True)`, with or without a state.
         if states is None:
-            # The padding mask reaches the attention implicitly, attached
-            # to `x` by `Embedding(mask_zero=True)`.
             a = attention(x)
         else:
-            # WORKAROUND: the mask is passed explicitly. With
-            # `initial_state`, the implicit mask is silently dropped:
-            # `Layer.__call__` fills `mask` only when the call has a single
-            # tensor argument, and `LinearAttention.call` does not read
-            # the mask attached to `inputs` itself, so padded steps would
-            # update the state. See `test_implicit_mask_with_initial_state`.
-            a, state = attention(
-                x,
-                mask=layers["embedding"].compute_mask(tokens),
-                initial_state=states[i],
-                return_state=True,
-            )
+            a, state = attention(x, initial_state=states[i], return_state=True)
             new_states.append(state)
         x = layers[f"attention_norm_{i}"](keras.layers.Add()([x, a]))
         f = layers[f"ffn_out_{i}"](layers[f"ffn_in_{i}"](x))

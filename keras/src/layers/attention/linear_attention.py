@@ -414,12 +414,23 @@ class LinearAttention(Layer):
         training=None,
     ):
         self._check_call_arguments(inputs, initial_state, return_state)
+        # The mask attached to `inputs` (e.g. by `Embedding(mask_zero=True)`)
+        # is handled here, not by the projections. `Layer.__call__` passes
+        # it as `mask` only for calls with a single tensor argument, so read
+        # it here too (calls with `initial_state`).
+        input_mask = backend.get_keras_mask(inputs)
+        if mask is None:
+            mask = input_mask
         mask = _standardize_mask(mask, inputs)
+        if input_mask is not None:
+            backend.set_keras_mask(inputs, None)
         dtype = self.accumulator_dtype
         # (batch, time, heads, key_dim or value_dim), accumulator dtype.
         query = self._feature(ops.cast(self._query_dense(inputs), dtype))
         key = self._feature(ops.cast(self._key_dense(inputs), dtype))
         value = ops.cast(self._value_dense(inputs), dtype)
+        if input_mask is not None:
+            backend.set_keras_mask(inputs, input_mask)
         if mask is not None:
             # Masked after the feature map (elu(0) + 1 is not 0), with
             # `where` so that inf/nan in padding cannot leak through.

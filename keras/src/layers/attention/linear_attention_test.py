@@ -1,6 +1,7 @@
 import doctest
 import json
 import os
+import warnings
 import zipfile
 
 import numpy as np
@@ -704,10 +705,21 @@ class LinearAttentionTest(testing.TestCase):
             explicit = attention(embedding(tokens), mask=tokens != 0)
             self.assertAllClose(y, explicit)
             self.assertAllEqual(backend.convert_to_numpy(y)[tokens == 0], 0.0)
-            # Eager propagation to the output, and through a Functional
-            # model to the next layer.
-            mask = backend.get_keras_mask(attention(embedding(tokens)))
+            # Eager propagation to the output; the projections do not see
+            # (and warn about) the mask, and the input keeps it.
+            embedded = embedding(tokens)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                mask = backend.get_keras_mask(attention(embedded))
             self.assertAllEqual(mask, tokens != 0)
+            self.assertAllEqual(backend.get_keras_mask(embedded), tokens != 0)
+            if causal:
+                # The input's mask also applies with `initial_state`.
+                streamed = attention(
+                    embedded,
+                    initial_state=attention.get_initial_state(2),
+                )
+                self.assertAllClose(streamed, explicit)
             self.assertAllEqual(
                 attention.compute_mask(None, tokens != 0), tokens != 0
             )
