@@ -206,7 +206,12 @@ def _is_out_of_memory(error):
     text = f"{type(error).__name__} {error}".lower()
     return any(
         word in text
-        for word in ("resource_exhausted", "resourceexhausted", "memory")
+        for word in (
+            "resource_exhausted",
+            "resourceexhausted",
+            "memory",
+            "allocat",  # XLA CPU's YNNPACK: "allocate of <6> failed"
+        )
     )
 
 
