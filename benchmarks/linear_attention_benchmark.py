@@ -9,8 +9,9 @@ PyTorch eager; median of several repeats):
   (`use_causal_mask=True` when causal), and the floor: the four projections
   alone, which every attention layer pays;
 - peak memory of forward+backward, per process: each point runs in a fresh
-  subprocess, and reports its peak resident set size (`ru_maxrss`) minus
-  that of the same subprocess on a 16-step sequence;
+  subprocess, where a thread samples the resident set size every
+  millisecond during one (compiled, warmed-up) step; the point is the peak
+  above the level just before the step;
 - streaming decode: the latency of one causal step from a carried state, at
   several positions, against MultiHeadAttention attending from the new token
   over the whole prefix (recomputing its keys and values, no cache);
@@ -346,17 +347,11 @@ def measure_decode(positions, repeats, log):
 
 
 def measure_memory(lengths, log):
-    """Peak RSS of one forward+backward, one fresh subprocess per point.
-
-    Each point is the subprocess's peak resident set size minus that of the
-    same subprocess on a 16-step sequence: imports, weights and compilation
-    cancel out, what remains is what the sequence length costs.
-    """
+    """Peak memory of one forward+backward, one fresh subprocess per point."""
     keras = _keras()
     rows = []
     for kind in ("auto", "mha"):
-        baseline = None
-        for length in (16,) + tuple(lengths):
+        for length in lengths:
             command = [
                 sys.executable,
                 os.path.abspath(__file__),
@@ -364,32 +359,28 @@ def measure_memory(lengths, log):
                 kind,
                 str(length),
             ]
+            # Large blocks go back to the system when freed, so that the
+            # warm-up step does not leave a heap the measured step reuses.
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
             result = subprocess.run(
-                command, capture_output=True, text=True, env=dict(os.environ)
+                command, capture_output=True, text=True, env=env
             )
             lines = result.stdout.strip().splitlines()
-            peak, note = None, None
-            if result.returncode == 0 and lines:
-                point = json.loads(lines[-1])
-                peak, note = point.get("peak_mb"), point.get("note")
-            else:
-                note = (
-                    "failed: "
-                    + (result.stderr.strip().splitlines() or ["?"])[-1][:200]
-                )
-            if length == 16:
-                baseline = peak
-                continue
             row = {
                 "backend": keras.backend.backend(),
                 "layer": kind,
                 "length": length,
-                "peak_mb": None
-                if peak is None or baseline is None
-                else round(max(peak - baseline, 0.0), 1),
+                "peak_mb": None,
             }
-            if note:
-                row["note"] = note
+            if result.returncode == 0 and lines:
+                row.update(json.loads(lines[-1]))
+            else:
+                errors = [
+                    line
+                    for line in result.stderr.splitlines()
+                    if "Error" in line or "Killed" in line
+                ]
+                row["note"] = "failed: " + (errors or ["?"])[-1][:200]
             rows.append(row)
             log(
                 f"  memory {kind:5} T={length:<6} "
@@ -398,19 +389,47 @@ def measure_memory(lengths, log):
     return rows
 
 
+def _resident_mb():
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _memory_point(kind, length):
+    """Peak resident memory of one forward+backward at `length`, in MB.
+
+    A thread samples the resident set size every millisecond while the
+    (already compiled) step runs; the point is its peak above the level
+    just before the step.
+    """
+    import threading
+
     layer = _make_layer(kind, True)
     layer(_inputs(8))
+    step = _compile(layer, "forward+backward")
+    x = _inputs(length)
     try:
-        _compile(layer, "forward+backward")(_inputs(length))
+        step(x)  # compile and warm up
+        done = threading.Event()
+        peak = [0.0]
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _resident_mb())
+                time.sleep(0.001)
+
+        before = _resident_mb()
+        thread = threading.Thread(target=sample)
+        thread.start()
+        step(x)
+        done.set()
+        thread.join()
     except Exception as error:
-        if not _is_out_of_memory(error):
+        if not _is_out_of_memory(error) and kind != "mha":
             raise
         limit_mb = MEMORY_LIMIT_GB * 1024
         print(json.dumps({"peak_mb": None, "note": f"> {limit_mb} MB (OOM)"}))
         return
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_mb": round(peak, 1)}))
+    print(json.dumps({"peak_mb": round(max(peak[0] - before, 0.0), 1)}))
 
 
 def _ratio(a, b):
@@ -562,7 +581,7 @@ def markdown(results):
     lines.append("")
     if results["memory"]:
         lines.append(
-            "**Peak memory, causal forward+backward (MB of RSS growth)**"
+            "**Peak memory, causal forward+backward (MB above resting RSS)**"
         )
         lines.append("")
         lines.append("| T | LinearAttention | MultiHeadAttention |")
