@@ -303,43 +303,36 @@ class LinearAttention(Layer):
         output_dim = self._output_shape or input_dim
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
-        self._query_dense = EinsumDense(
-            "btm,mhd->bthd",
-            output_shape=(None, self.num_heads, self.key_dim),
-            bias_axes="hd" if self.use_bias else None,
-            name="query",
-            **self._get_common_kwargs_for_sublayer(),
+        heads = self.num_heads
+        self._query_dense = self._projection(
+            "query", "btm,mhd->bthd", (None, heads, self.key_dim), "hd"
         )
-        self._query_dense.build(input_shape)
-        self._key_dense = EinsumDense(
-            "btm,mhd->bthd",
-            output_shape=(None, self.num_heads, self.key_dim),
-            bias_axes="hd" if self.use_bias else None,
-            name="key",
-            **self._get_common_kwargs_for_sublayer(),
+        self._key_dense = self._projection(
+            "key", "btm,mhd->bthd", (None, heads, self.key_dim), "hd"
         )
-        self._key_dense.build(input_shape)
-        self._value_dense = EinsumDense(
-            "btm,mhe->bthe",
-            output_shape=(None, self.num_heads, self.value_dim),
-            bias_axes="he" if self.use_bias else None,
-            name="value",
-            **self._get_common_kwargs_for_sublayer(),
+        self._value_dense = self._projection(
+            "value", "btm,mhe->bthe", (None, heads, self.value_dim), "he"
         )
-        self._value_dense.build(input_shape)
-        self._output_dense = EinsumDense(
-            "bthe,heo->bto",
-            output_shape=(None, output_dim),
-            bias_axes="o" if self.use_bias else None,
-            name="attention_output",
-            **self._get_common_kwargs_for_sublayer(),
+        self._output_dense = self._projection(
+            "attention_output", "bthe,heo->bto", (None, output_dim), "o"
         )
-        self._output_dense.build((None, None, self.num_heads, self.value_dim))
+        for dense in (self._query_dense, self._key_dense, self._value_dense):
+            dense.build(input_shape)
+        self._output_dense.build((None, None, heads, self.value_dim))
         self._dropout_layer = None
         if self.dropout > 0:
             self._dropout_layer = Dropout(
                 rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
             )
+
+    def _projection(self, name, equation, output_shape, bias_axes):
+        return EinsumDense(
+            equation,
+            output_shape=output_shape,
+            bias_axes=bias_axes if self.use_bias else None,
+            name=name,
+            **self._get_common_kwargs_for_sublayer(),
+        )
 
     def _get_common_kwargs_for_sublayer(self):
         common_kwargs = dict(
@@ -568,13 +561,7 @@ class LinearAttention(Layer):
 
     def _check_call_arguments(self, inputs, initial_state, return_state):
         if isinstance(inputs, (list, tuple, dict)):
-            raise ValueError(
-                "`LinearAttention` is self-attention: it takes a single "
-                "`inputs` tensor of shape (batch_size, sequence_length, "
-                "input_dim). Cross-attention (separate query/key/value "
-                f"inputs) is not supported. Received: inputs of type "
-                f"{type(inputs).__name__}"
-            )
+            _check_input_shape(tree.map_structure(ops.shape, inputs))
         _check_input_shape(tuple(inputs.shape))
         dtype = backend.standardize_dtype(inputs.dtype)
         if not backend.is_float_dtype(dtype):
