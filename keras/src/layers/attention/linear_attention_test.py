@@ -836,6 +836,37 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual(model(x).shape, (BATCH, LENGTH, 3))
         self.assertLen(model.trainable_weights, 10)
 
+    def test_v1_saved_model_loads_unchanged(self):
+        # `testdata/linear_attention_v1.keras` was saved by the first
+        # version of the layer (before FAVOR+, Hedgehog and grouped heads),
+        # with its outputs and final causal state on fixed inputs in the
+        # `.npz` beside it. Made on TensorFlow with:
+        #   inputs = keras.Input((6, 8))
+        #   x = LinearAttention(2, 4, causal=True, name="causal")(inputs)
+        #   x = LinearAttention(2, 3, value_dim=5, feature_map="relu",
+        #       use_normalizer=False, output_shape=8, name="non_causal")(x)
+        #   keras.Model(inputs, x).save(...)
+        # Both the config (defaults of new arguments) and the weights must
+        # load as before, on every backend.
+        directory = os.path.join(os.path.dirname(__file__), "testdata")
+        expected = np.load(os.path.join(directory, "linear_attention_v1.npz"))
+        model = saving.load_model(
+            os.path.join(directory, "linear_attention_v1.keras")
+        )
+        self.assertLen(model.weights, 16)
+        _assert_close(
+            model(expected["inputs"]), expected["outputs"], FLOAT32_RTOL
+        )
+        causal = model.get_layer("causal")
+        self.assertEqual(causal.get_config()["feature_map"], "elu_plus_one")
+        _, state = causal(
+            expected["inputs"],
+            initial_state=causal.get_initial_state(2),
+            return_state=True,
+        )
+        _assert_close(state[0], expected["key_value_state"], FLOAT32_RTOL)
+        _assert_close(state[1], expected["key_state"], FLOAT32_RTOL)
+
     def test_dynamic_length_functional_model(self):
         inputs = layers.Input((None, INPUT_DIM))
         layer = _layer(causal=True)
