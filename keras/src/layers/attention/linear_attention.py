@@ -1,3 +1,7 @@
+import math
+
+import numpy as np
+
 from keras.src import backend
 from keras.src import constraints
 from keras.src import initializers
@@ -11,7 +15,9 @@ from keras.src.layers.regularization.dropout import Dropout
 from keras.src.saving import object_registration
 from keras.src.saving import serialization_lib
 
-_FEATURE_MAPS = ("elu_plus_one", "relu")
+_FEATURE_MAPS = ("elu_plus_one", "relu", "favor_plus", "hedgehog")
+# Feature maps with their own size (`num_features`) and weights.
+_SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 
 
@@ -27,8 +33,8 @@ class LinearAttention(Layer):
     computed from running sums instead of a `(T, T)` attention matrix:
 
     ```
-    S = sum_j phi(K_j)^T V_j        (key_dim, value_dim) per head
-    z = sum_j phi(K_j)              (key_dim,) per head
+    S = sum_j phi(K_j)^T V_j        (features, value_dim) per head
+    z = sum_j phi(K_j)              (features,) per head
     Y_i = phi(Q_i) S / (phi(Q_i) . z + epsilon)
     ```
 
@@ -47,6 +53,13 @@ class LinearAttention(Layer):
     float32 compute dtypes (float64 stays float64); the outputs are returned
     in the layer's compute dtype.
 
+    The built-in feature maps are chosen by name, and their one size
+    (`num_features`, for the random-feature and learnable maps) is a plain
+    argument: the configuration stays a flat dictionary of strings and
+    numbers, and a map's weights (`random_features`, `feature_map_kernel`)
+    belong to the layer like its projections. Other maps are passed as
+    registered callables or layers.
+
     Linear attention is a different model from softmax attention, not an
     approximation of a trained softmax layer, and it is not faster for short
     sequences: `MultiHeadAttention` is usually the better choice below a few
@@ -61,14 +74,42 @@ class LinearAttention(Layer):
             (a one-element tuple or list is accepted). Defaults to the last
             dimension of `inputs`.
         feature_map: The non-negative feature map `phi` applied to queries
-            and keys. `"elu_plus_one"` (the default, `elu(x) + 1`),
-            `"relu"` (`relu(x) + normalization_epsilon`), or a callable
-            registered with `keras.saving.register_keras_serializable()`. A
-            callable receives a tensor of shape
-            `(batch_size, sequence_length, num_heads, key_dim)` in the
-            accumulator dtype and must return non-negative values of the
-            same shape and dtype (the layer does not check the values). An
-            unregistered callable works but the layer cannot be serialized.
+            and keys, one of:
+            - `"elu_plus_one"` (the default): `elu(x) + 1`.
+            - `"relu"`: `relu(x) + normalization_epsilon`.
+            - `"favor_plus"`: the positive orthogonal random features of the
+              Performer ([Choromanski et al., 2021](
+              https://arxiv.org/abs/2009.14794)), `exp(w . x' - |x'|^2 / 2)
+              / sqrt(num_features)` with `x' = x / key_dim**0.25`, for which
+              `phi(q) . phi(k)` is an unbiased estimate of the softmax kernel
+              `exp(q . k / sqrt(key_dim))`: with the normalizer, the layer
+              approximates softmax attention, better with more features.
+              With the normalizer, each query's features are rescaled so
+              that the largest is `1 / sqrt(num_features)` (a factor per
+              token that cancels in the ratio, up to
+              `normalization_epsilon`); features are computed in float32 or
+              float64, never with statistics over the sequence.
+              The projection `w` (shared by all heads) is drawn with NumPy
+              from `seed` when the layer is built and kept as the
+              non-trainable weight `random_features`, so that the same seed
+              gives the same features on every backend and a saved model
+              reloads with them. It is not redrawn during training unless
+              `redraw_random_features()` is called.
+            - `"hedgehog"`: a learnable map ([Zhang et al., 2024](
+              https://arxiv.org/abs/2402.04347)), `softmax([x W, -x W])`
+              over the features, with a trainable `(key_dim,
+              num_features // 2)` matrix `W` per key/value head (the weight
+              `feature_map_kernel`, regularized and constrained like the
+              dense kernels), initialized to the identity so that training
+              starts from an exponential kernel over every feature.
+            - A callable (a function or a `Layer`) registered with
+              `keras.saving.register_keras_serializable()`. It receives a
+              tensor of shape `(batch_size, sequence_length, heads,
+              key_dim)` in the accumulator dtype, where `heads` is
+              `num_heads` for queries and `num_key_value_heads` for keys, and
+              must return non-negative values of the same shape and dtype
+              (the layer does not check the values). An unregistered
+              callable works but the layer cannot be serialized.
         use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
             normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -100,7 +141,20 @@ class LinearAttention(Layer):
         activity_regularizer: Regularizer for dense layer activity.
         kernel_constraint: Constraint for dense layer kernels.
         bias_constraint: Constraint for dense layer biases.
-        seed: Optional integer to seed the dropout layer.
+        seed: Optional integer to seed the dropout layer and the FAVOR+
+            random features.
+        num_key_value_heads: Number of key and value heads, as in
+            `GroupedQueryAttention`: `num_heads` must be a multiple of it,
+            and each group of `num_heads // num_key_value_heads` query heads
+            shares one key/value head. The key and value projections and the
+            causal state have this many heads, so the state is smaller by
+            that factor. Defaults to `num_heads`.
+        num_features: Number of features of `"favor_plus"` (the number of
+            random features; defaults to `4 * key_dim`) and of
+            `"hedgehog"` (twice the columns of `W`, an even number; defaults
+            to `2 * key_dim`). The other feature maps keep `key_dim`
+            features and do not accept this argument. Attention costs grow
+            linearly with it.
 
     Call arguments:
         inputs: Floating tensor of shape
@@ -130,8 +184,10 @@ class LinearAttention(Layer):
             in the layer's compute dtype.
         state: Only if `return_state=True`. A tuple
             `(key_value_state, key_state)` of shapes
-            `(batch_size, num_heads, key_dim, value_dim)` and
-            `(batch_size, num_heads, key_dim)`, or `(key_value_state,)` if
+            `(batch_size, num_key_value_heads, features, value_dim)` and
+            `(batch_size, num_key_value_heads, features)`, where `features`
+            is `num_features` for `"favor_plus"` and `"hedgehog"` and
+            `key_dim` otherwise, or `(key_value_state,)` if
             `use_normalizer=False`, in the accumulator dtype (float32, or
             float64 for a float64 layer). The state is runtime data: it is
             not a weight and is never saved with the model.
@@ -161,6 +217,23 @@ class LinearAttention(Layer):
     >>> streamed = keras.ops.concatenate([y1, y2], axis=1)
     >>> bool(keras.ops.all(keras.ops.abs(streamed - full) < 1e-4))
     True
+
+    Performer-style attention with 64 random features, and grouped heads:
+    4 query heads share 2 key/value heads, which halves the state.
+
+    >>> layer = keras.layers.LinearAttention(
+    ...     num_heads=4,
+    ...     key_dim=4,
+    ...     num_key_value_heads=2,
+    ...     feature_map="favor_plus",
+    ...     num_features=64,
+    ...     causal=True,
+    ...     seed=0,
+    ... )
+    >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
+    [(3, 2, 64, 4), (3, 2, 64)]
+    >>> tuple(layer(keras.random.normal((3, 8, 16))).shape)
+    (3, 8, 16)
 
     Masking: the last two steps of the second sequence are padding, and
     their outputs are zero.
@@ -199,11 +272,25 @@ class LinearAttention(Layer):
         kernel_constraint=None,
         bias_constraint=None,
         seed=None,
+        num_key_value_heads=None,
+        num_features=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.supports_masking = True
         self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_key_value_heads = (
+            self.num_heads
+            if num_key_value_heads is None
+            else _positive_int("num_key_value_heads", num_key_value_heads)
+        )
+        if self.num_heads % self.num_key_value_heads:
+            raise ValueError(
+                "`num_heads` must be a multiple of `num_key_value_heads` "
+                "(each group of query heads shares one key/value head). "
+                f"Received: num_heads={num_heads}, "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
         self.key_dim = _positive_int("key_dim", key_dim)
         self.value_dim = (
             self.key_dim
@@ -239,6 +326,29 @@ class LinearAttention(Layer):
                 f"{type(feature_map).__name__}"
             )
         self.feature_map = feature_map
+        if feature_map in _SIZED_FEATURE_MAPS:
+            if num_features is None:
+                num_features = (
+                    4 * self.key_dim
+                    if feature_map == "favor_plus"
+                    else 2 * self.key_dim
+                )
+            _positive_int("num_features", num_features)
+            if feature_map == "hedgehog" and num_features % 2:
+                raise ValueError(
+                    "`num_features` must be even for "
+                    "feature_map='hedgehog' (the map returns a softmax over "
+                    "`[W x, -W x]`, twice the size of `W x`). Received: "
+                    f"num_features={num_features}"
+                )
+        elif num_features is not None:
+            raise ValueError(
+                "`num_features` only applies to feature_map='favor_plus' "
+                "or 'hedgehog'; the other feature maps keep `key_dim` "
+                f"features. Received: num_features={num_features!r} with "
+                f"feature_map={feature_map!r}"
+            )
+        self.num_features = num_features
         if not isinstance(use_normalizer, bool):
             raise ValueError(
                 "`use_normalizer` must be a boolean. Received: "
@@ -304,14 +414,18 @@ class LinearAttention(Layer):
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
         heads = self.num_heads
+        key_value_heads = self.num_key_value_heads
         self._query_dense = self._projection(
             "query", "btm,mhd->bthd", (None, heads, self.key_dim), "hd"
         )
         self._key_dense = self._projection(
-            "key", "btm,mhd->bthd", (None, heads, self.key_dim), "hd"
+            "key", "btm,mhd->bthd", (None, key_value_heads, self.key_dim), "hd"
         )
         self._value_dense = self._projection(
-            "value", "btm,mhe->bthe", (None, heads, self.value_dim), "he"
+            "value",
+            "btm,mhe->bthe",
+            (None, key_value_heads, self.value_dim),
+            "he",
         )
         self._output_dense = self._projection(
             "attention_output", "bthe,heo->bto", (None, output_dim), "o"
@@ -319,11 +433,64 @@ class LinearAttention(Layer):
         for dense in (self._query_dense, self._key_dense, self._value_dense):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
+        if self.feature_map == "favor_plus":
+            # Drawn with NumPy from `seed`: the same seed gives the same
+            # features on every backend, and the weight saves them.
+            self.random_features = self.add_weight(
+                name="random_features",
+                shape=(self.key_dim, self.num_features),
+                initializer=self._draw_random_features,
+                trainable=False,
+            )
+        elif self.feature_map == "hedgehog":
+            self.feature_map_kernel = self.add_weight(
+                name="feature_map_kernel",
+                shape=(key_value_heads, self.key_dim, self.num_features // 2),
+                initializer=_identity_per_head,
+                regularizer=self.kernel_regularizer,
+                constraint=self.kernel_constraint,
+            )
         self._dropout_layer = None
         if self.dropout > 0:
             self._dropout_layer = Dropout(
                 rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
             )
+
+    def _draw_random_features(self, shape, dtype=None):
+        seed = self.seed if isinstance(self.seed, int) else None
+        if seed is None:
+            # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
+            seed = np.random.randint(2**31 - 1)
+        features = _orthogonal_random_features(*shape, seed=seed)
+        return ops.convert_to_tensor(features, dtype=dtype)
+
+    def redraw_random_features(self, seed=None):
+        """Draws new FAVOR+ random features (`feature_map="favor_plus"`).
+
+        The random features are drawn once, when the layer is built, and
+        then kept (they are saved with the model). Redrawing them during
+        training, e.g. from a callback every few hundred steps, is optional
+        and off by default; it can lower the variance of the approximation
+        that a model adapts to.
+
+        Args:
+            seed: Optional integer. Defaults to a seed drawn from NumPy's
+                global generator.
+        """
+        if self.feature_map != "favor_plus" or not self.built:
+            raise ValueError(
+                "`redraw_random_features()` needs a built layer with "
+                "feature_map='favor_plus'. Received: "
+                f"feature_map={self.feature_map!r}, built={self.built}"
+            )
+        if seed is None:
+            seed = np.random.randint(2**31 - 1)
+        features = _orthogonal_random_features(
+            self.key_dim, self.num_features, seed=seed
+        )
+        self.random_features.assign(
+            ops.cast(features, self.random_features.dtype)
+        )
 
     def _projection(self, name, equation, output_shape, bias_axes):
         return EinsumDense(
@@ -366,9 +533,11 @@ class LinearAttention(Layer):
 
         Returns:
             A tuple `(key_value_state, key_state)` of zeros with shapes
-            `(batch_size, num_heads, key_dim, value_dim)` and
-            `(batch_size, num_heads, key_dim)` (`(key_value_state,)` if
-            `use_normalizer=False`), in the accumulator dtype.
+            `(batch_size, num_key_value_heads, features, value_dim)` and
+            `(batch_size, num_key_value_heads, features)` (`features` is
+            `num_features` for `"favor_plus"` and `"hedgehog"`, `key_dim`
+            otherwise; `(key_value_state,)` if `use_normalizer=False`), in
+            the accumulator dtype.
         """
         if not self.causal:
             raise ValueError(
@@ -381,13 +550,48 @@ class LinearAttention(Layer):
             for shape in self._state_shapes()
         )
 
+    @property
+    def _feature_dim(self):
+        if self.feature_map in _SIZED_FEATURE_MAPS:
+            return self.num_features
+        return self.key_dim
+
     def _state_shapes(self):
-        shapes = [(self.num_heads, self.key_dim, self.value_dim)]
+        heads, features = self.num_key_value_heads, self._feature_dim
+        shapes = [(heads, features, self.value_dim)]
         if self.use_normalizer:
-            shapes.append((self.num_heads, self.key_dim))
+            shapes.append((heads, features))
         return tuple(shapes)
 
-    def _feature(self, x):
+    def _feature(self, x, is_query):
+        """`phi` of `(batch, time, heads, key_dim)` queries or keys."""
+        if self.feature_map == "favor_plus":
+            # exp(w . x - |x|^2 / 2) / sqrt(m) with x scaled by
+            # key_dim^(-1/4), so that phi(q) . phi(k) estimates
+            # exp(q . k / sqrt(key_dim)). The exponent is at most |w|^2 / 2
+            # (about key_dim / 2), so keys cannot overflow in float32.
+            x = x * self.key_dim**-0.25
+            features = ops.cast(self.random_features, x.dtype)
+            exponent = ops.einsum("bthd,dm->bthm", x, features)
+            exponent = exponent - 0.5 * ops.sum(
+                ops.square(x), axis=-1, keepdims=True
+            )
+            if is_query and self.use_normalizer:
+                # A factor per query token, which cancels between numerator
+                # and denominator (up to `normalization_epsilon`): its
+                # largest feature becomes 1 / sqrt(m). Taken per token,
+                # never over the sequence, so that full, chunked and
+                # token-by-token runs agree.
+                exponent = exponent - ops.stop_gradient(
+                    ops.max(exponent, axis=-1, keepdims=True)
+                )
+            return ops.exp(exponent) * self.num_features**-0.5
+        if self.feature_map == "hedgehog":
+            kernel = ops.cast(self.feature_map_kernel, x.dtype)
+            if is_query:
+                kernel = ops.repeat(kernel, self._group_size, axis=0)
+            x = ops.einsum("bthd,hdf->bthf", x, kernel)
+            return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
         if self.feature_map == "elu_plus_one":
             # elu(x) + 1 is exp(x) at and below zero: cheaper than `expm1`,
             # and more accurate. `x - relu(x)` is min(x, 0), which keeps the
@@ -418,9 +622,14 @@ class LinearAttention(Layer):
         if input_mask is not None:
             backend.set_keras_mask(inputs, None)
         dtype = self.accumulator_dtype
-        # (batch, time, heads, key_dim or value_dim), accumulator dtype.
-        query = self._feature(ops.cast(self._query_dense(inputs), dtype))
-        key = self._feature(ops.cast(self._key_dense(inputs), dtype))
+        # (batch, time, heads, features or value_dim), accumulator dtype;
+        # keys and values have `num_key_value_heads` heads.
+        query = self._feature(
+            ops.cast(self._query_dense(inputs), dtype), is_query=True
+        )
+        key = self._feature(
+            ops.cast(self._key_dense(inputs), dtype), is_query=False
+        )
         value = ops.cast(self._value_dense(inputs), dtype)
         if input_mask is not None:
             backend.set_keras_mask(inputs, input_mask)
@@ -476,27 +685,52 @@ class LinearAttention(Layer):
             return numerator
         return numerator / (denominator[..., None] + self.normalization_epsilon)
 
+    @property
+    def _group_size(self):
+        return self.num_heads // self.num_key_value_heads
+
+    def _split_heads(self, x):
+        """`(..., num_heads, f)` -> `(..., num_key_value_heads, group, f)`.
+
+        Query head `i` uses key/value head `i // group`, as in
+        `GroupedQueryAttention`.
+        """
+        shape = ops.shape(x)
+        return ops.reshape(
+            x,
+            tuple(shape[:-2])
+            + (self.num_key_value_heads, self._group_size, shape[-1]),
+        )
+
+    def _merge_heads(self, x):
+        shape = ops.shape(x)
+        return ops.reshape(x, tuple(shape[:-3]) + (self.num_heads, shape[-1]))
+
     def _non_causal(self, query, key, value):
-        key_value = ops.einsum("bthd,bthe->bhde", key, value)
-        numerator = ops.einsum("bthd,bhde->bthe", query, key_value)
+        # k = key/value heads, g = query heads per key/value head.
+        query = self._split_heads(query)
+        key_value = ops.einsum("btkd,btke->bkde", key, value)
+        numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
         denominator = None
         if self.use_normalizer:
             key_sum = ops.sum(key, axis=1)
-            denominator = ops.einsum("bthd,bhd->bth", query, key_sum)
-        return self._readout(numerator, denominator)
+            denominator = ops.einsum("btkgd,bkd->btkg", query, key_sum)
+        return self._merge_heads(self._readout(numerator, denominator))
 
     def _recurrent(self, query, key, value, initial_state):
         """The reference: one state update and readout per time step."""
 
         def step(state, step_inputs):
             query_t, key_t, value_t = step_inputs
-            key_value = state[0] + ops.einsum("bhd,bhe->bhde", key_t, value_t)
-            numerator = ops.einsum("bhd,bhde->bhe", query_t, key_value)
+            query_t = self._split_heads(query_t)
+            key_value = state[0] + ops.einsum("bkd,bke->bkde", key_t, value_t)
+            numerator = ops.einsum("bkgd,bkde->bkge", query_t, key_value)
             if not self.use_normalizer:
-                return (key_value,), numerator
+                return (key_value,), self._merge_heads(numerator)
             key_sum = state[1] + key_t
-            denominator = ops.einsum("bhd,bhd->bh", query_t, key_sum)
-            return (key_value, key_sum), self._readout(numerator, denominator)
+            denominator = ops.einsum("bkgd,bkd->bkg", query_t, key_sum)
+            outputs = self._readout(numerator, denominator)
+            return (key_value, key_sum), self._merge_heads(outputs)
 
         # Time-major for the scan: (time, batch, heads, features).
         sequences = tuple(
@@ -529,13 +763,19 @@ class LinearAttention(Layer):
             x = ops.reshape(x, (batch, -1, chunk, heads, features))
             return ops.transpose(x, (0, 3, 1, 2, 4))
 
-        # (batch, heads, chunks, chunk, features)
-        query, key, value = to_chunks(query), to_chunks(key), to_chunks(value)
+        # Keys and values: (batch, key/value heads, chunks, chunk, features).
+        key, value = to_chunks(key), to_chunks(value)
+        # Queries: the query heads of each key/value head are stacked along
+        # the rows of a chunk, (batch, key/value heads, chunks, group *
+        # chunk, features), so that a group shares each product.
+        query = self._stack_groups(to_chunks(query))
         # Inside a chunk: attention of step c to steps s <= c.
         causal_mask = ops.cast(ops.tril(ops.ones((chunk, chunk))), "bool")
-        scores = ops.einsum("bhncd,bhnsd->bhncs", query, key)
+        if self._group_size > 1:
+            causal_mask = ops.tile(causal_mask, (self._group_size, 1))
+        scores = ops.einsum("bkncd,bknsd->bkncs", query, key)
         scores = ops.where(causal_mask, scores, ops.zeros_like(scores))
-        outputs = ops.einsum("bhncs,bhnse->bhnce", scores, value)
+        outputs = ops.einsum("bkncs,bknse->bknce", scores, value)
 
         # Across chunks: the state entering each chunk is the initial state
         # plus the summaries of all earlier chunks, an exclusive prefix sum
@@ -544,20 +784,43 @@ class LinearAttention(Layer):
         def accumulate(total, summary):
             return (total[0] + summary[0],), total[0]
 
-        summaries = ops.einsum("bhncd,bhnce->nbhde", key, value)
+        summaries = ops.einsum("bkncd,bknce->nbkde", key, value)
         (state,), entering = _scan(accumulate, (state,), (summaries,))
-        outputs = outputs + ops.einsum("bhncd,nbhde->bhnce", query, entering)
+        outputs = outputs + ops.einsum("bkncd,nbkde->bknce", query, entering)
         if self.use_normalizer:
             outputs = self._readout(outputs[..., :-1], outputs[..., -1])
             state = (state[..., :-1], state[..., -1])
         else:
             state = (state,)
-        batch, heads = ops.shape(outputs)[0], ops.shape(outputs)[1]
+        outputs = self._unstack_groups(outputs)
+        batch = ops.shape(outputs)[0]
         outputs = ops.transpose(outputs, (0, 2, 3, 1, 4))
-        outputs = ops.reshape(outputs, (batch, -1, heads, self.value_dim))
+        outputs = ops.reshape(
+            outputs, (batch, -1, self.num_heads, self.value_dim)
+        )
         if not isinstance(padding, int) or padding:
             outputs = outputs[:, :length]
         return outputs, state
+
+    def _stack_groups(self, x):
+        """`(b, heads, n, c, f)` -> `(b, key/value heads, n, group * c, f)`."""
+        group = self._group_size
+        if group == 1:
+            return x
+        batch, _, chunks, chunk, features = ops.shape(x)
+        x = ops.reshape(x, (batch, -1, group, chunks, chunk, features))
+        x = ops.transpose(x, (0, 1, 3, 2, 4, 5))
+        return ops.reshape(x, (batch, -1, chunks, group * chunk, features))
+
+    def _unstack_groups(self, x):
+        """The inverse of `_stack_groups`."""
+        group = self._group_size
+        if group == 1:
+            return x
+        batch, _, chunks, rows, features = ops.shape(x)
+        x = ops.reshape(x, (batch, -1, chunks, group, rows // group, features))
+        x = ops.transpose(x, (0, 1, 3, 2, 4, 5))
+        return ops.reshape(x, (batch, -1, chunks, rows // group, features))
 
     def _check_call_arguments(self, inputs, initial_state, return_state):
         if isinstance(inputs, (list, tuple, dict)):
@@ -693,6 +956,8 @@ class LinearAttention(Layer):
             "kernel_constraint": constraints.serialize(self.kernel_constraint),
             "bias_constraint": constraints.serialize(self.bias_constraint),
             "seed": self.seed,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_features": self.num_features,
         }
         base_config = super().get_config()
         return {**base_config, **config}
@@ -763,6 +1028,36 @@ def _standardize_mask(mask, inputs):
     if backend.standardize_dtype(mask.dtype) != "bool":
         mask = ops.not_equal(mask, 0)
     return ops.broadcast_to(mask, ops.shape(inputs)[:2])
+
+
+def _identity_per_head(shape, dtype=None):
+    """Identity matrices `(key_dim, size)`, one per head: Hedgehog's start.
+
+    With `W = I`, `phi(x) = softmax([x, -x])`: every feature of `x` counts,
+    in both signs, as in an `exp` kernel.
+    """
+    heads, rows, columns = shape
+    return ops.tile(ops.eye(rows, columns, dtype=dtype)[None], (heads, 1, 1))
+
+
+def _orthogonal_random_features(key_dim, num_features, seed):
+    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy.
+
+    Blocks of `key_dim` orthonormal directions (QR of a Gaussian matrix,
+    with the signs that make it uniformly distributed), scaled by the norms
+    of Gaussian vectors so that each column is marginally Gaussian
+    (Choromanski et al., 2021). NumPy makes it independent of the backend.
+    """
+    generator = np.random.default_rng(seed)
+    blocks = []
+    for _ in range(math.ceil(num_features / key_dim)):
+        q, r = np.linalg.qr(generator.standard_normal((key_dim, key_dim)))
+        blocks.append(q * np.where(np.diag(r) < 0, -1.0, 1.0))
+    directions = np.concatenate(blocks, axis=1)[:, :num_features]
+    norms = np.linalg.norm(
+        generator.standard_normal((num_features, key_dim)), axis=1
+    )
+    return directions * norms
 
 
 def _scan(step, initial_state, sequences):

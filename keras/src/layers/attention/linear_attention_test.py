@@ -19,6 +19,7 @@ from keras.src import testing
 from keras.src.layers.attention import linear_attention
 from keras.src.layers.attention.linear_attention import LinearAttention
 from keras.src.models import cloning
+from keras.src.utils import rng_utils
 
 # Tolerances. Each comparison is relative to the largest magnitude of the
 # expected values (`_assert_close`), because outputs without the normalizer
@@ -47,6 +48,21 @@ MIXED_RTOL = {"float16": 5e-3, "bfloat16": 4e-2}
 
 BATCH, LENGTH, INPUT_DIM = 2, 70, 8
 NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
+
+# The feature maps and head layouts added after v1. Every v1 guarantee is
+# also tested for each of them: "grouped" has 4 query heads on 2 key/value
+# heads, "grouped_hedgehog" 4 on 1 (a per-key/value-head learnable map).
+EXTENSIONS = {
+    "favor_plus": {"feature_map": "favor_plus", "num_features": 8},
+    "hedgehog": {"feature_map": "hedgehog", "num_features": 8},
+    "grouped": {"num_heads": 4, "num_key_value_heads": 2},
+    "grouped_hedgehog": {
+        "num_heads": 4,
+        "num_key_value_heads": 1,
+        "feature_map": "hedgehog",
+    },
+}
+EXTENSION_PARAMETERS = [(name, name) for name in EXTENSIONS]
 
 
 def _assert_close(actual, expected, rtol, msg=None):
@@ -78,9 +94,14 @@ def _layer(**kwargs):
     return LinearAttention(**kwargs)
 
 
-def _built_layer(input_dim=INPUT_DIM, **kwargs):
-    layer = _layer(**kwargs)
+def _built_layer(input_dim=INPUT_DIM, extension=None, **kwargs):
+    layer = _layer(**{**EXTENSIONS.get(extension, {}), **kwargs})
     layer.build((None, None, input_dim))
+    if layer.feature_map == "hedgehog":
+        # Away from its identity start, so that a misapplied map shows.
+        kernel = layer.feature_map_kernel
+        noise = np.random.RandomState(4).normal(size=kernel.shape)
+        kernel.assign(backend.convert_to_numpy(kernel) + 0.5 * noise)
     return layer
 
 
@@ -98,10 +119,38 @@ def _np_weights(layer):
     weights = {}
     for variable in layer.weights:
         sublayer, name = variable.path.split("/")[-2:]
+        if sublayer == layer.name:
+            sublayer = None  # The layer's own weights.
         weights[(sublayer, name)] = np.asarray(
             backend.convert_to_numpy(variable), dtype="float64"
         )
     return weights
+
+
+def _np_softmax(x):
+    x = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return x / np.sum(x, axis=-1, keepdims=True)
+
+
+def _np_layer_feature(layer, weights, x, is_query):
+    """The layer's feature map on `(b, t, heads, key_dim)`, from formulas."""
+    heads = x.shape[2]
+    if layer.feature_map == "favor_plus":
+        projection = weights[(None, "random_features")]
+        x = x / layer.key_dim**0.25
+        exponent = x @ projection - 0.5 * np.sum(x**2, -1, keepdims=True)
+        if is_query and layer.use_normalizer:
+            # Query features scaled per token to a largest value of
+            # 1 / sqrt(m): cancels in the ratio, up to the epsilon.
+            exponent = exponent - np.max(exponent, axis=-1, keepdims=True)
+        return np.exp(exponent) / np.sqrt(projection.shape[1])
+    if layer.feature_map == "hedgehog":
+        kernel = weights[(None, "feature_map_kernel")]
+        # Head i uses the matrix of its key/value head, i // group.
+        kernel = kernel[np.arange(heads) * len(kernel) // heads]
+        x = np.einsum("bthd,hdf->bthf", x, kernel)
+        return _np_softmax(np.concatenate([x, -x], axis=-1))
+    return _np_feature(x, layer.feature_map, layer.normalization_epsilon)
 
 
 def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
@@ -118,13 +167,17 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
         return y
 
     if feature is None:
-
-        def feature(x):
-            return _np_feature(x, layer.feature_map, epsilon)
-
-    query = feature(project("query"))
-    key = feature(project("key"))
+        query = _np_layer_feature(layer, weights, project("query"), True)
+        key = _np_layer_feature(layer, weights, project("key"), False)
+    else:
+        query, key = feature(project("query")), feature(project("key"))
     value = project("value")
+    # Grouped heads: query head i attends with key/value head i // group,
+    # which is ordinary multi-head attention on repeated keys and values.
+    group = layer.num_heads // layer.num_key_value_heads
+    key, value = np.repeat(key, group, 2), np.repeat(value, group, 2)
+    if initial_state is not None:
+        initial_state = [np.repeat(s, group, 1) for s in initial_state]
     if mask is None:
         mask = np.ones((batch, length), dtype=bool)
     mask = np.broadcast_to(np.asarray(mask).astype(bool), (batch, length))
@@ -142,8 +195,9 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
         state = None
     else:
         # The recurrence, unrolled step by step.
-        s = np.zeros((batch, layer.num_heads, layer.key_dim, layer.value_dim))
-        z = np.zeros((batch, layer.num_heads, layer.key_dim))
+        features = query.shape[-1]
+        s = np.zeros((batch, layer.num_heads, features, layer.value_dim))
+        z = np.zeros((batch, layer.num_heads, features))
         if initial_state is not None:
             s = np.asarray(initial_state[0], dtype="float64").copy()
             if layer.use_normalizer:
@@ -159,7 +213,9 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
                 if layer.use_normalizer:
                     denominator = np.einsum("hd,hd->h", query[b, t], z[b])
                     heads[b, t] = numerator / (denominator[:, None] + epsilon)
+        # One state per key/value head (equal within a group).
         state = (s, z) if layer.use_normalizer else (s,)
+        state = tuple(x[:, ::group] for x in state)
     outputs = np.einsum(
         "bthe,heo->bto", heads, weights[("attention_output", "kernel")]
     )
@@ -307,6 +363,12 @@ def unregistered_feature_map(x):
     return ops.exp(x)
 
 
+@saving.register_keras_serializable(package="LinearAttentionTest")
+class SoftplusFeatureMap(layers.Layer):
+    def call(self, x):
+        return ops.softplus(x)
+
+
 class LinearAttentionTest(testing.TestCase):
     # Layer contract: weights, serialization, training, mixed precision.
 
@@ -322,8 +384,16 @@ class LinearAttentionTest(testing.TestCase):
             8,
         ),
         ("relu_dropout", {"feature_map": "relu", "dropout": 0.5}, 8),
+        (
+            "favor_plus",
+            {"causal": True, "feature_map": "favor_plus", "seed": 3},
+            8,
+            1,
+        ),
+        ("hedgehog", {"feature_map": "hedgehog"}, 9),
+        ("grouped", {"causal": True, "num_key_value_heads": 1}, 8),
     )
-    def test_basics(self, init_kwargs, num_weights):
+    def test_basics(self, init_kwargs, num_weights, num_non_trainable=0):
         output_dim = init_kwargs.get("output_shape", 16)
         self.run_layer_test(
             LinearAttention,
@@ -331,7 +401,7 @@ class LinearAttentionTest(testing.TestCase):
             input_shape=(2, 8, 16),
             expected_output_shape=(2, 8, output_dim),
             expected_num_trainable_weights=num_weights,
-            expected_num_non_trainable_weights=0,
+            expected_num_non_trainable_weights=num_non_trainable,
             expected_num_seed_generators=1 if "dropout" in init_kwargs else 0,
             expected_num_losses=0,
             supports_masking=True,
@@ -391,6 +461,23 @@ class LinearAttentionTest(testing.TestCase):
         ),
         ("causal", {"causal": "yes"}, "causal"),
         ("use_normalizer", {"use_normalizer": None}, "use_normalizer"),
+        (
+            "num_key_value_heads",
+            {"num_key_value_heads": 0},
+            "num_key_value_heads",
+        ),
+        ("not_a_multiple", {"num_key_value_heads": 3}, "num_heads"),
+        ("num_features_unused", {"num_features": 8}, "num_features"),
+        (
+            "num_features_zero",
+            {"feature_map": "favor_plus", "num_features": 0},
+            "num_features",
+        ),
+        (
+            "num_features_odd",
+            {"feature_map": "hedgehog", "num_features": 7},
+            "num_features",
+        ),
     )
     def test_invalid_constructor_arguments(self, kwargs, name):
         kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
@@ -523,7 +610,19 @@ class LinearAttentionTest(testing.TestCase):
         length, heads, dim = 200, 2, 16
         x = _inputs((1, length, 8))
         per_token_state = length * heads * dim * dim
-        cases = [("non_causal", {}), ("parallel", {"causal": True})]
+        cases = [
+            ("non_causal", {}),
+            ("parallel", {"causal": True}),
+            (
+                "favor_plus",
+                {
+                    "causal": True,
+                    "feature_map": "favor_plus",
+                    "num_features": 16,
+                },
+            ),
+            ("grouped", {"causal": True, "num_key_value_heads": 1}),
+        ]
         if backend.backend() != "tensorflow":
             # TensorFlow's while loop body lives in a separate function.
             cases.append(
@@ -547,12 +646,14 @@ class LinearAttentionTest(testing.TestCase):
 
     # Full, chunked and token-by-token causal runs.
 
-    def test_full_chunked_and_token_by_token_agree(self):
+    @parameterized.named_parameters([("v1", None)] + EXTENSION_PARAMETERS)
+    def test_full_chunked_and_token_by_token_agree(self, extension):
         # Two internal chunks of the parallel algorithm, the second partial;
         # splits before, on and after the chunk edge, and pieces shorter and
         # longer than a chunk. Token-by-token and two-token pieces run with
-        # the mask only, to keep the (eager, per-call) test time down.
-        layer = _built_layer(causal=True)
+        # the mask only, to keep the (eager, per-call) test time down; the
+        # feature maps and grouped heads added after v1 run fewer splits.
+        layer = _built_layer(causal=True, extension=extension)
         chunk = layer._chunk_size
         length = chunk + 3
         x = _inputs((BATCH, length, INPUT_DIM))
@@ -572,6 +673,11 @@ class LinearAttentionTest(testing.TestCase):
                 [5, chunk - 10, 8],
             ]
             sizes = (7, 64, 65) if step_mask is None else (1, 2, 7, 64, 65)
+            if extension is not None:
+                # The splits do not depend on the feature map or the heads:
+                # the ones that probe the chunk edges and single tokens.
+                splits = splits[2:]
+                sizes = (65,) if step_mask is None else (1, 7)
             splits += [_pieces(length, size) for size in sizes]
             for sizes in splits:
                 streamed, state = _stream(layer, x, sizes, step_mask)
@@ -586,20 +692,28 @@ class LinearAttentionTest(testing.TestCase):
                     )
 
     @parameterized.named_parameters(
-        ("normalized", True, None),
-        ("unnormalized", False, None),
-        ("masked", True, "mask"),
+        [
+            ("normalized", True, None),
+            ("unnormalized", False, None),
+            ("masked", True, "mask"),
+        ]
+        + [(name, True, "mask", name) for name in EXTENSIONS]
+        + [("favor_plus_unnormalized", False, None, "favor_plus")]
     )
-    def test_parallel_and_recurrent_gradients_agree(self, use_normalizer, mask):
+    def test_parallel_and_recurrent_gradients_agree(
+        self, use_normalizer, mask, extension=None
+    ):
         parallel = _built_layer(
             causal=True,
             use_normalizer=use_normalizer,
             execution_mode="parallel",
+            extension=extension,
         )
         recurrent = _built_layer(
             causal=True,
             use_normalizer=use_normalizer,
             execution_mode="recurrent",
+            extension=extension,
         )
         recurrent.set_weights(parallel.get_weights())
         x = _inputs()
@@ -613,7 +727,7 @@ class LinearAttentionTest(testing.TestCase):
         )
         expected = _gradients(recurrent, x, upstream, **kwargs)
         actual = _gradients(parallel, x, upstream, **kwargs)
-        self.assertLen(actual, 9)
+        self.assertLen(actual, 1 + len(parallel.trainable_variables))
         for a, e in zip(actual, expected):
             _assert_close(a, e, FLOAT32_GRADIENT_RTOL)
 
@@ -653,7 +767,8 @@ class LinearAttentionTest(testing.TestCase):
                 layer(x, mask=np.ones((BATCH, LENGTH), bool)), layer(x)
             )
 
-    def test_padding_does_not_leak(self):
+    @parameterized.named_parameters([("v1", None)] + EXTENSION_PARAMETERS)
+    def test_padding_does_not_leak(self, extension):
         # Sequences of different lengths, padded in one batch (right padding
         # for both modes, left padding for causal), give the same outputs
         # at valid steps as each sequence alone. The padding holds large
@@ -661,7 +776,7 @@ class LinearAttentionTest(testing.TestCase):
         lengths = [5, 9]
         x = _inputs((2, 9, INPUT_DIM))
         for causal, side in ((False, "right"), (True, "right"), (True, "left")):
-            layer = _built_layer(causal=causal)
+            layer = _built_layer(causal=causal, extension=extension)
             padded = np.full((2, 12, INPUT_DIM), 1e4, "float32")
             padded[0, 0] = np.nan
             mask = np.zeros((2, 12), bool)
@@ -921,15 +1036,17 @@ class LinearAttentionTest(testing.TestCase):
 
     # Precision.
 
-    @parameterized.named_parameters(
-        ("float16", "float16"), ("bfloat16", "bfloat16")
+    @parameterized.product(
+        dtype=["float16", "bfloat16"], extension=[None] + list(EXTENSIONS)
     )
-    def test_mixed_precision(self, dtype):
+    def test_mixed_precision(self, dtype, extension):
         policy = f"mixed_{dtype}"
         x = _inputs()
         for causal in (False, True):
-            layer = _built_layer(causal=causal, dtype=policy)
-            reference = _built_layer(causal=causal)
+            layer = _built_layer(
+                causal=causal, dtype=policy, extension=extension
+            )
+            reference = _built_layer(causal=causal, extension=extension)
             reference.set_weights(layer.get_weights())
             for variable in layer.weights:
                 self.assertDType(variable, "float32")
@@ -953,15 +1070,18 @@ class LinearAttentionTest(testing.TestCase):
 
     def test_float64_preserved(self):
         with _float64_enabled():
-            layer = _built_layer(causal=True, dtype="float64")
-            x = _inputs(dtype="float64")
-            expected, expected_state = _np_reference(layer, x)
-            y, state = layer(x, return_state=True)
-            self.assertDType(y, "float64")
-            for actual, reference in zip(state, expected_state):
-                self.assertDType(actual, "float64")
-                _assert_close(actual, reference, FLOAT64_RTOL)
-            _assert_close(y, expected, FLOAT64_RTOL)
+            for extension in [None] + list(EXTENSIONS):
+                layer = _built_layer(
+                    causal=True, dtype="float64", extension=extension
+                )
+                x = _inputs(dtype="float64")
+                expected, expected_state = _np_reference(layer, x)
+                y, state = layer(x, return_state=True)
+                self.assertDType(y, "float64")
+                for actual, reference in zip(state, expected_state):
+                    self.assertDType(actual, "float64")
+                    _assert_close(actual, reference, FLOAT64_RTOL, extension)
+                _assert_close(y, expected, FLOAT64_RTOL, extension)
 
     def test_float64_numerical_gradient(self):
         with _float64_enabled():
@@ -987,12 +1107,21 @@ class LinearAttentionTest(testing.TestCase):
 
     @pytest.mark.requires_trainable_backend
     def test_long_sequence_half_precision_is_finite(self):
+        # FAVOR+ runs on inputs 4x larger, so that the exponents of its
+        # features are large too: no statistic over the sequence keeps them
+        # finite, only float32 features and the per-token query shift.
         length = 16384
-        x = _inputs((1, length, 4))
         upstream = _inputs((1, length, 4), seed=1)
-        for dtype in ("float16", "bfloat16"):
+        for dtype, kwargs in (
+            ("float16", {}),
+            ("bfloat16", {}),
+            ("float16", {"feature_map": "favor_plus", "num_features": 16}),
+            ("bfloat16", {"feature_map": "favor_plus", "num_features": 16}),
+        ):
+            scale = 4.0 if kwargs else 1.0
+            x = scale * _inputs((1, length, 4))
             layer = LinearAttention(
-                1, 4, causal=True, dtype=f"mixed_{dtype}", seed=0
+                1, 4, causal=True, dtype=f"mixed_{dtype}", seed=0, **kwargs
             )
             y, state = layer(x, return_state=True)
             self.assertTrue(np.all(np.isfinite(backend.convert_to_numpy(y))))
@@ -1119,6 +1248,299 @@ class LinearAttentionTest(testing.TestCase):
             non_causal(x, return_state=True)
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
             non_causal(x, initial_state=layer.get_initial_state(BATCH))
+
+    # Random-feature and learnable feature maps, grouped heads (beyond v1).
+
+    @parameterized.product(
+        extension=list(EXTENSIONS),
+        causal=[False, True],
+        use_normalizer=[True, False],
+    )
+    def test_extensions_match_reference(
+        self, extension, causal, use_normalizer
+    ):
+        layer = _built_layer(
+            causal=causal, use_normalizer=use_normalizer, extension=extension
+        )
+        x = _inputs()
+        mask = np.ones((BATCH, LENGTH), bool)
+        mask[0, 3] = mask[1, 50:] = False
+        expected, _ = _np_reference(layer, x, mask)
+        _assert_close(layer(x, mask=mask), expected, FLOAT32_RTOL)
+        if not causal:
+            return
+        rng = np.random.RandomState(3)
+        initial_state = tuple(
+            rng.uniform(1, 2, size=s.shape).astype("float32")
+            for s in layer.get_initial_state(BATCH)
+        )
+        expected, expected_state = _np_reference(layer, x, mask, initial_state)
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            y, state = layer(
+                x, mask=mask, initial_state=initial_state, return_state=True
+            )
+            _assert_close(y, expected, FLOAT32_RTOL, mode)
+            self.assertLen(state, len(expected_state))
+            for actual, reference in zip(state, expected_state):
+                _assert_close(actual, reference, FLOAT32_RTOL, mode)
+
+    def test_extension_state_and_weight_shapes(self):
+        layer = _layer(
+            causal=True,
+            num_heads=4,
+            num_key_value_heads=2,
+            feature_map="favor_plus",
+            num_features=10,
+        )
+        expected = [(3, 2, 10, 5), (3, 2, 10)]
+        state = layer.get_initial_state(3)
+        self.assertEqual([tuple(s.shape) for s in state], expected)
+        x = _inputs((3, 5, INPUT_DIM))
+        _, state = layer(x, return_state=True)
+        self.assertEqual([tuple(s.shape) for s in state], expected)
+        _, spec = layer.compute_output_spec(
+            backend.KerasTensor(x.shape), return_state=True
+        )
+        self.assertEqual([tuple(s.shape) for s in spec], expected)
+        shapes = {
+            v.path.split("/", 1)[1]: tuple(v.shape) for v in layer.weights
+        }
+        self.assertEqual(shapes["query/kernel"], (8, 4, 3))
+        self.assertEqual(shapes["key/kernel"], (8, 2, 3))
+        self.assertEqual(shapes["value/kernel"], (8, 2, 5))
+        self.assertEqual(shapes["value/bias"], (2, 5))
+        self.assertEqual(shapes["attention_output/kernel"], (4, 5, 8))
+        self.assertEqual(shapes["random_features"], (3, 10))
+        # The state of the same layer without grouping is twice as big,
+        # and refused with the expected shape in the message.
+        ungrouped = _layer(
+            causal=True, num_heads=4, feature_map="favor_plus", num_features=10
+        )
+        ungrouped_state = ungrouped.get_initial_state(3)
+        self.assertEqual(
+            sum(int(np.prod(s.shape)) for s in ungrouped_state),
+            2 * sum(int(np.prod(s.shape)) for s in state),
+        )
+        with self.assertRaisesRegex(ValueError, r"\(3, 2, 10, 5\)"):
+            layer(x, initial_state=ungrouped_state)
+        # Hedgehog: one (key_dim, num_features // 2) matrix per key/value
+        # head, starting from the identity.
+        hedgehog = _layer(
+            num_heads=4,
+            num_key_value_heads=2,
+            feature_map="hedgehog",
+            causal=True,
+        )
+        hedgehog.build((None, None, INPUT_DIM))
+        kernel = hedgehog.feature_map_kernel
+        self.assertEqual(tuple(kernel.shape), (2, 3, 3))
+        self.assertAllEqual(kernel, np.stack([np.eye(3)] * 2))
+        self.assertEqual(
+            [tuple(s.shape) for s in hedgehog.get_initial_state(1)],
+            [(1, 2, 6, 5), (1, 2, 6)],
+        )
+
+    @parameterized.named_parameters(EXTENSION_PARAMETERS)
+    def test_extension_save_load_clone(self, extension):
+        x = _inputs()
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(causal=True, seed=5, **EXTENSIONS[extension])
+        model = models.Model(inputs, layer(inputs))
+        if layer.feature_map == "hedgehog":
+            kernel = layer.feature_map_kernel
+            noise = np.random.RandomState(4).normal(size=kernel.shape)
+            kernel.assign(backend.convert_to_numpy(kernel) + noise)
+        expected = backend.convert_to_numpy(model(x))
+        path = os.path.join(self.get_temp_dir(), f"{extension}.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        self.assertAllClose(loaded(x), expected, atol=0, rtol=0)
+        for original, revived in zip(model.weights, loaded.weights):
+            self.assertEqual(original.path, revived.path)
+            self.assertAllEqual(original, revived)
+        config = layer.get_config()
+        for name in ("num_key_value_heads", "num_features"):
+            self.assertEqual(
+                config[name], EXTENSIONS[extension].get(name, config[name])
+            )
+        self.assertEqual(
+            LinearAttention.from_config(config).get_config(), config
+        )
+        clone = cloning.clone_model(model)
+        clone.set_weights(model.get_weights())
+        self.assertAllClose(clone(x), expected, atol=0, rtol=0)
+
+    def test_favor_plus_random_features(self):
+        layer = _built_layer(feature_map="favor_plus", num_features=8, seed=1)
+        features = backend.convert_to_numpy(layer.random_features)
+        self.assertFalse(layer.random_features.trainable)
+        # Drawn with NumPy from the seed: these values are the same on every
+        # backend (this test runs on each).
+        self.assertAllClose(
+            features[:, :4],
+            [
+                [0.12399566, 2.31347941, -0.39258433, 0.51338501],
+                [-0.46757301, 0.35820687, -0.92949766, -1.28542236],
+                [-0.1926589, 0.61961084, 2.0031738, 1.0452387],
+            ],
+            atol=1e-6,
+        )
+        # Orthogonal directions within each block of key_dim features.
+        for block in (features[:, :3], features[:, 3:6]):
+            gram = block.T @ block
+            self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-5)
+        same = _built_layer(feature_map="favor_plus", num_features=8, seed=1)
+        self.assertAllEqual(same.random_features, features)
+        other = _built_layer(feature_map="favor_plus", num_features=8, seed=2)
+        self.assertNotAllClose(other.random_features, features)
+        # Without a seed, the features follow keras.utils.set_random_seed.
+        drawn = []
+        for _ in range(2):
+            rng_utils.set_random_seed(11)
+            unseeded = _built_layer(feature_map="favor_plus", seed=None)
+            drawn.append(backend.convert_to_numpy(unseeded.random_features))
+        self.assertAllEqual(drawn[0], drawn[1])
+        # Redrawing is explicit (never automatic).
+        x = _inputs()
+        before = layer(x)
+        self.assertAllClose(layer(x), before)
+        layer.redraw_random_features(seed=2)
+        self.assertAllEqual(layer.random_features, other.random_features)
+        self.assertNotAllClose(layer(x), before)
+        with self.assertRaisesRegex(ValueError, "favor_plus"):
+            _built_layer().redraw_random_features()
+        with self.assertRaisesRegex(ValueError, "built=False"):
+            _layer(feature_map="favor_plus").redraw_random_features()
+
+    def test_favor_plus_approaches_softmax_attention(self):
+        # The layer's output against exact softmax attention (scaled by
+        # 1 / sqrt(key_dim)) computed here from the same projections, as the
+        # number of random features grows: mean absolute error relative to
+        # the mean absolute output, averaged over 8 seeds; 2 sequences of 16
+        # steps, 2 heads, key_dim 4, NumPy-drawn weights. Measured (the same
+        # on every backend up to float32 rounding):
+        #   num_features          16     64    256   1024   uniform attention
+        #   non-causal         0.326  0.204  0.109  0.077   0.399
+        #   causal             0.198  0.120  0.067  0.046   0.236
+        # Monte Carlo estimates converge like 1 / sqrt(num_features), and
+        # slower for larger logits: with inputs twice as large, non-causal
+        # errors are 0.73 -> 0.35 (uniform: 0.88).
+        x = 0.5 * _inputs((2, 16, INPUT_DIM))
+        dims = {"num_heads": 2, "key_dim": 4, "value_dim": 4}
+        base = _built_layer(**dims)
+        # NumPy weights, so that every backend measures the same numbers.
+        rng = np.random.RandomState(0)
+        for variable in base.weights:
+            scale = 0.1 if "bias" in variable.path else 0.4
+            variable.assign(scale * rng.normal(size=variable.shape))
+        weights = _np_weights(base)
+
+        def project(name):
+            kernel, bias = weights[(name, "kernel")], weights[(name, "bias")]
+            return (
+                np.einsum("btm,mhd->bthd", x.astype("float64"), kernel) + bias
+            )
+
+        query, key, value = project("query"), project("key"), project("value")
+        scores = np.einsum("bqhd,bkhd->bhqk", query, key) / 2.0
+        for causal in (False, True):
+            if causal:
+                scores = np.where(
+                    np.tril(np.ones((16, 16), bool)), scores, -np.inf
+                )
+            heads = np.einsum("bhqk,bkhe->bqhe", _np_softmax(scores), value)
+            exact = (
+                np.einsum(
+                    "bqhe,heo->bqo",
+                    heads,
+                    weights[("attention_output", "kernel")],
+                )
+                + weights[("attention_output", "bias")]
+            )
+            errors = []
+            for num_features in (16, 64, 256, 1024):
+                seed_errors = []
+                for seed in range(8):
+                    layer = _built_layer(
+                        causal=causal,
+                        feature_map="favor_plus",
+                        num_features=num_features,
+                        seed=seed,
+                        **dims,
+                    )
+                    for name in ("query", "key", "value", "output"):
+                        dense = f"_{name}_dense"
+                        getattr(layer, dense).set_weights(
+                            getattr(base, dense).get_weights()
+                        )
+                    y = backend.convert_to_numpy(layer(x))
+                    seed_errors.append(
+                        np.mean(np.abs(y - exact)) / np.mean(np.abs(exact))
+                    )
+                errors.append(float(np.mean(seed_errors)))
+            # The trivial approximation: uniform attention over the prefix.
+            uniform = (
+                np.cumsum(value, axis=1) / np.arange(1, 17)[:, None, None]
+                if causal
+                else np.mean(value, axis=1, keepdims=True)
+            )
+            uniform = (
+                np.einsum(
+                    "bqhe,heo->bqo",
+                    uniform,
+                    weights[("attention_output", "kernel")],
+                )
+                + weights[("attention_output", "bias")]
+            )
+            uniform_error = np.mean(np.abs(uniform - exact)) / np.mean(
+                np.abs(exact)
+            )
+            self.assertTrue(np.all(np.diff(errors) < 0), errors)
+            self.assertLess(errors[-1], 0.1, errors)
+            self.assertLess(errors[-1], uniform_error / 4, errors)
+
+    def test_custom_feature_map_layer(self):
+        def softplus(x):
+            return np.logaddexp(0.0, x)
+
+        x = _inputs()
+        for causal, kwargs in ((False, {}), (True, EXTENSIONS["grouped"])):
+            layer = _built_layer(
+                causal=causal, feature_map=SoftplusFeatureMap(), **kwargs
+            )
+            expected, _ = _np_reference(layer, x, feature=softplus)
+            _assert_close(layer(x), expected, FLOAT32_RTOL)
+            inputs = layers.Input((None, INPUT_DIM))
+            model = models.Model(inputs, layer(inputs))
+            path = os.path.join(self.get_temp_dir(), "layer_map.keras")
+            model.save(path)
+            loaded = saving.load_model(path)
+            self.assertIsInstance(
+                loaded.layers[1].feature_map, SoftplusFeatureMap
+            )
+            self.assertAllClose(loaded(x), model(x), atol=0, rtol=0)
+
+    def test_hedgehog_weights_are_trainable_and_regularized(self):
+        layer = _layer(
+            feature_map="hedgehog",
+            causal=True,
+            kernel_regularizer=regularizers.L2(0.1),
+            kernel_constraint=constraints.MaxNorm(2.0),
+            **EXTENSIONS["grouped"],
+        )
+        x = _inputs()
+        layer(x)
+        kernel = layer.feature_map_kernel
+        self.assertTrue(kernel.trainable)
+        self.assertIn(kernel, layer.trainable_weights)
+        self.assertIsInstance(kernel.constraint, constraints.MaxNorm)
+        # Four dense kernels and the feature map's.
+        self.assertLen(layer.losses, 5)
+        upstream = _inputs(seed=5)
+        gradients = _gradients(layer, x, upstream)
+        index = [v.path for v in layer.trainable_variables].index(kernel.path)
+        self.assertGreater(np.max(np.abs(gradients[1 + index])), 1e-4)
 
     def test_docstring_examples(self):
         import keras
