@@ -568,8 +568,10 @@ class LinearAttention(Layer):
         if self.feature_map == "favor_plus":
             # exp(w . x - |x|^2 / 2) / sqrt(m) with x scaled by
             # key_dim^(-1/4), so that phi(q) . phi(k) estimates
-            # exp(q . k / sqrt(key_dim)). The exponent is at most |w|^2 / 2
-            # (about key_dim / 2), so keys cannot overflow in float32.
+            # exp(q . k / sqrt(key_dim)). Whatever x, the exponent is at
+            # most max |w|^2 / 2 (about key_dim / 2, a little more for the
+            # longest of the m columns), so float32 keys cannot overflow for
+            # key_dim up to about 128.
             x = x * self.key_dim**-0.25
             features = ops.cast(self.random_features, x.dtype)
             exponent = ops.einsum("bthd,dm->bthm", x, features)
