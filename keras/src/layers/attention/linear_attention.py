@@ -584,9 +584,7 @@ class LinearAttention(Layer):
                 # largest feature becomes 1 / sqrt(m). Taken per token,
                 # never over the sequence, so that full, chunked and
                 # token-by-token runs agree.
-                exponent = exponent - ops.stop_gradient(
-                    ops.max(exponent, axis=-1, keepdims=True)
-                )
+                exponent = exponent - ops.max(exponent, axis=-1, keepdims=True)
             return ops.exp(exponent) * self.num_features**-0.5
         if self.feature_map == "hedgehog":
             kernel = ops.cast(self.feature_map_kernel, x.dtype)

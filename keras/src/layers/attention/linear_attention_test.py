@@ -1085,10 +1085,20 @@ class LinearAttentionTest(testing.TestCase):
 
     def test_float64_numerical_gradient(self):
         with _float64_enabled():
-            for causal in (False, True):
-                layer = _built_layer(causal=causal, dtype="float64")
-                x = _inputs((1, 9, INPUT_DIM), dtype="float64")
-                upstream = _inputs((1, 9, INPUT_DIM), seed=2, dtype="float64")
+            for causal, extension in (
+                (False, None),
+                (True, None),
+                (True, "favor_plus"),
+                (True, "grouped_hedgehog"),
+            ):
+                layer = _built_layer(
+                    causal=causal, dtype="float64", extension=extension
+                )
+                # Fewer steps for the later additions (eager calls per input
+                # element are the cost).
+                shape = (1, 9 if extension is None else 5, INPUT_DIM)
+                x = _inputs(shape, dtype="float64")
+                upstream = _inputs(shape, seed=2, dtype="float64")
                 analytic = _gradients(layer, x, upstream)[0]
 
                 def loss(x):
@@ -1103,7 +1113,9 @@ class LinearAttentionTest(testing.TestCase):
                     plus = loss(shifted)
                     shifted[index] -= 2 * step
                     numeric[index] = (plus - loss(shifted)) / (2 * step)
-                _assert_close(analytic, numeric, FINITE_DIFFERENCE_RTOL)
+                _assert_close(
+                    analytic, numeric, FINITE_DIFFERENCE_RTOL, extension
+                )
 
     @pytest.mark.requires_trainable_backend
     def test_long_sequence_half_precision_is_finite(self):
