@@ -5,16 +5,24 @@ For the backend selected by `KERAS_BACKEND`, in one process, this measures
 PyTorch eager; median of several repeats):
 
 - causal and non-causal forward, and forward+backward, for LinearAttention
-  (`"auto"`, `"parallel"`, `"recurrent"`), `MultiHeadAttention`
-  (`use_causal_mask=True` when causal), and the floor: the four projections
-  alone, which every attention layer pays;
+  (`"auto"`, `"parallel"`, `"recurrent"`), its variants `"favor_plus"`
+  (`feature_map="favor_plus"`, Performer random features, the default 256
+  of them) and `"grouped"` (`num_key_value_heads=2`: the 8 query heads
+  share 2 key/value heads), both in the `"parallel"` execution mode,
+  `MultiHeadAttention` (`use_causal_mask=True` when causal), and the floor:
+  the four projections alone, which every attention layer pays;
 - peak memory of forward+backward, per process: each point runs in a fresh
   subprocess, where a thread samples the resident set size every
   millisecond during one (compiled, warmed-up) step; the point is the peak
   above the level just before the step;
 - streaming decode: the latency of one causal step from a carried state, at
-  several positions, against MultiHeadAttention attending from the new token
-  over the whole prefix (recomputing its keys and values, no cache);
+  several positions, for LinearAttention (`"linear"`, the default map) and
+  its `"favor_plus"` and `"grouped"` variants, against MultiHeadAttention
+  attending from the new token over the whole prefix (recomputing its keys
+  and values, no cache); with the bytes of each carried state (batch 1,
+  constant in the position) and, for comparison, the bytes a key/value
+  cache would hold at that position (which the no-cache MHA step does not
+  use);
 - the crossover length above which LinearAttention is faster.
 
 Shapes: batch 1, 8 heads, key_dim = value_dim = 64, model width 512,
@@ -25,7 +33,7 @@ matter.
 Usage:
 
     KERAS_BACKEND=jax python benchmarks/linear_attention_benchmark.py
-    python benchmarks/linear_attention_benchmark.py --quick    # ~30 s
+    python benchmarks/linear_attention_benchmark.py --quick    # < 2 min
     python benchmarks/linear_attention_benchmark.py --summary  # all backends
 
 `make bench` runs all three backends and then the summary.
@@ -54,6 +62,16 @@ MHA_BACKWARD_MAX_LENGTH = 8192
 FULL_DECODE_POSITIONS = (1024, 4096, 16384)
 QUICK_DECODE_POSITIONS = (256, 1024)
 MEMORY_LIMIT_GB = 18
+# LinearAttention variants, timed like "parallel" and decoded like "linear":
+# Performer random features (the default num_features = 4 * key_dim = 256)
+# and grouped key/value heads (8 query heads share 2 key/value heads).
+VARIANTS = {
+    "favor_plus": {"feature_map": "favor_plus"},
+    "grouped": {"num_key_value_heads": 2},
+}
+TIME_KINDS = ("auto", "parallel", "recurrent", *VARIANTS, "mha", "floor")
+# "linear": the default LinearAttention (elu + 1 map, 8 key/value heads).
+DECODE_LAYERS = ("linear", *VARIANTS)
 
 # The targets of the benchmark issue: (name, backend -> bound, "min"/"max").
 TARGETS = [
@@ -75,11 +93,20 @@ def _keras():
     return keras
 
 
-def _make_layer(kind, causal):
+def _make_layer(kind, causal, execution_mode="parallel"):
+    """A layer of `kind`; `execution_mode` applies to `VARIANTS` only."""
     keras = _keras()
     if kind in ("auto", "parallel", "recurrent"):
         return keras.layers.LinearAttention(
             NUM_HEADS, HEAD_DIM, causal=causal, execution_mode=kind
+        )
+    if kind in VARIANTS:
+        return keras.layers.LinearAttention(
+            NUM_HEADS,
+            HEAD_DIM,
+            causal=causal,
+            execution_mode=execution_mode,
+            **VARIANTS[kind],
         )
     if kind == "mha":
 
@@ -216,18 +243,24 @@ def _is_out_of_memory(error):
     )
 
 
-def measure_times(lengths, repeats, log):
+def measure_times(lengths, repeats, log, variant_lengths=None):
+    """Times of `TIME_KINDS`; `VARIANTS` at `variant_lengths` (or all)."""
     keras = _keras()
     rows = []
-    kinds = ("auto", "parallel", "recurrent", "mha", "floor")
     for causal in (True, False):
         for mode in ("forward", "forward+backward"):
-            for kind in kinds:
+            for kind in TIME_KINDS:
                 if not causal and kind in ("parallel", "recurrent"):
                     continue  # one non-causal algorithm, measured as "auto"
                 layer = _make_layer(kind, causal)
                 layer(_inputs(8))
                 for length in lengths:
+                    if (
+                        kind in VARIANTS
+                        and variant_lengths is not None
+                        and length not in variant_lengths
+                    ):
+                        continue
                     if kind == "recurrent" and (
                         length > RECURRENT_MAX_LENGTH[mode]
                     ):
@@ -262,74 +295,119 @@ def measure_times(lengths, repeats, log):
                     rows.append(row)
                     log(
                         f"  {'causal' if causal else 'non-causal':10} "
-                        f"{mode:16} {kind:9} T={length:<6} "
+                        f"{mode:16} {kind:10} T={length:<6} "
                         f"{row['ms'] if row['ms'] is not None else 'OOM'} ms"
                     )
     return rows
+
+
+def _decode_step(layer, token, state):
+    """A function running one causal step of `layer` from `state`."""
+    keras = _keras()
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        trainable = [v.value for v in layer.trainable_variables]
+        # FAVOR+'s random features are a non-trainable weight.
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+        step = jax.jit(
+            lambda w, x, s: layer.stateless_call(
+                w, non_trainable, x, initial_state=s, return_state=True
+            )[0]
+        )
+        return lambda: jax.block_until_ready(step(trainable, token, state))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(
+            lambda x, s: layer(x, initial_state=s, return_state=True),
+            jit_compile=True,
+        )
+        return lambda: step(token, state)[0].numpy()
+    import torch
+
+    token_t = torch.as_tensor(token)
+    state_t = tuple(torch.as_tensor(s) for s in state)
+
+    def step():
+        with torch.no_grad():
+            return layer(token_t, initial_state=state_t, return_state=True)
+
+    return step
+
+
+def _mha_step(mha, token, prefix):
+    """A function attending from `token` over `prefix` (no cache)."""
+    keras = _keras()
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        weights = [v.value for v in mha.trainable_variables]
+        attend = jax.jit(lambda w, q, v: mha.stateless_call(w, [], q, v)[0])
+        return lambda: jax.block_until_ready(attend(weights, token, prefix))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        attend = tf.function(lambda q, v: mha(q, v), jit_compile=True)
+        return lambda: attend(token, prefix).numpy()
+    import torch
+
+    token_t, prefix_t = torch.as_tensor(token), torch.as_tensor(prefix)
+
+    def attend():
+        with torch.no_grad():
+            return mha(token_t, prefix_t)
+
+    return attend
+
+
+def kv_cache_bytes(position):
+    """Bytes of float32 keys and values of `position` tokens, batch 1."""
+    return 2 * position * NUM_HEADS * HEAD_DIM * 4
 
 
 def measure_decode(positions, repeats, log):
     keras = _keras()
     backend = keras.backend.backend()
     rows = []
-    linear = _make_layer("auto", True)
+    # One causal step takes the recurrent path in "auto" (T = 1); the
+    # prefix that builds the state, the parallel one.
+    layers = {
+        name: _make_layer(
+            "auto" if name == "linear" else name, True, execution_mode="auto"
+        )
+        for name in DECODE_LAYERS
+    }
     mha = keras.layers.MultiHeadAttention(NUM_HEADS, HEAD_DIM)
     for position in positions:
         prefix = _inputs(position + 1)
         token = prefix[:, -1:]
-        _, state = linear(prefix[:, :-1], return_state=True)
-        state = tuple(keras.ops.convert_to_numpy(s) for s in state)
+        steps = []
+        for name, layer in layers.items():
+            _, state = layer(prefix[:, :-1], return_state=True)
+            state = tuple(keras.ops.convert_to_numpy(s) for s in state)
+            # The carried state, whatever the position (batch 1).
+            state_bytes = int(sum(s.nbytes for s in state))
+            steps.append(
+                (
+                    name,
+                    _decode_step(layer, token, state),
+                    {"state_bytes": state_bytes},
+                )
+            )
         mha(token, prefix)
-        if backend == "jax":
-            import jax
-
-            weights = [v.value for v in linear.trainable_variables]
-            step = jax.jit(
-                lambda w, x, s: linear.stateless_call(
-                    w, [], x, initial_state=s, return_state=True
-                )[0]
+        steps.append(
+            (
+                "mha",
+                _mha_step(mha, token, prefix),
+                # For comparison only: the step measured recomputes keys
+                # and values over the prefix and holds no cache.
+                {"kv_cache_bytes": kv_cache_bytes(position)},
             )
-            mha_weights = [v.value for v in mha.trainable_variables]
-            attend = jax.jit(lambda w, q, v: mha.stateless_call(w, [], q, v)[0])
-
-            def linear_step():
-                return jax.block_until_ready(step(weights, token, state))
-
-            def mha_step():
-                return jax.block_until_ready(attend(mha_weights, token, prefix))
-
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            step = tf.function(
-                lambda x, s: linear(x, initial_state=s, return_state=True),
-                jit_compile=True,
-            )
-            attend = tf.function(lambda q, v: mha(q, v), jit_compile=True)
-
-            def linear_step():
-                return step(token, state)[0].numpy()
-
-            def mha_step():
-                return attend(token, prefix).numpy()
-
-        else:
-            import torch
-
-            token_t, prefix_t = torch.as_tensor(token), torch.as_tensor(prefix)
-            state_t = tuple(torch.as_tensor(s) for s in state)
-
-            def linear_step():
-                with torch.no_grad():
-                    return linear(
-                        token_t, initial_state=state_t, return_state=True
-                    )
-
-            def mha_step():
-                with torch.no_grad():
-                    return mha(token_t, prefix_t)
-
-        for name, function in (("linear", linear_step), ("mha", mha_step)):
+        )
+        for name, function, sizes in steps:
             seconds = _median_time(function, (), repeats * 5)
             rows.append(
                 {
@@ -337,11 +415,13 @@ def measure_decode(positions, repeats, log):
                     "layer": name,
                     "position": position,
                     "ms": round(seconds * 1e3, 4),
+                    **sizes,
                 }
             )
+            size = ", ".join(f"{k}={v}" for k, v in sizes.items())
             log(
-                f"  decode {name:6} position={position:<6} "
-                f"{seconds * 1e3:.3f} ms"
+                f"  decode {name:10} position={position:<6} "
+                f"{seconds * 1e3:.3f} ms, {size}"
             )
     return rows
 
@@ -543,15 +623,18 @@ def markdown(results):
         f"### {results['backend']} ({results['machine']})",
         "",
         "Time in ms (median). `auto`/`parallel`/`recurrent`: "
-        "LinearAttention; `mha`: MultiHeadAttention; `floor`: the four "
-        "projections alone.",
+        "LinearAttention; `favor_plus`: LinearAttention with "
+        '`feature_map="favor_plus"` (256 random features) and `grouped`: '
+        "with `num_key_value_heads=2` (8 query heads share 2 key/value "
+        'heads), both `execution_mode="parallel"`; `mha`: '
+        "MultiHeadAttention; `floor`: the four projections alone.",
         "",
     ]
     for causal in (True, False):
         for mode in ("forward", "forward+backward"):
             kinds = [
                 k
-                for k in ("auto", "parallel", "recurrent", "mha", "floor")
+                for k in TIME_KINDS
                 if any(
                     r["layer"] == k
                     and r["causal"] == causal
@@ -601,24 +684,60 @@ def markdown(results):
             lines.append(f"| {length} | " + " | ".join(cells) + " |")
         lines.append("")
     if results["decode"]:
-        lines.append("**Decode: one causal step at a position (ms)**")
-        lines.append("")
-        lines.append("| position | LinearAttention (state) | MHA (prefix) |")
-        lines.append("|---|---|---|")
-        for position in sorted({r["position"] for r in results["decode"]}):
-            cells = [
-                str(
-                    next(
-                        r["ms"]
-                        for r in results["decode"]
-                        if r["layer"] == kind and r["position"] == position
-                    )
-                )
-                for kind in ("linear", "mha")
-            ]
-            lines.append(f"| {position} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines.extend(decode_markdown(results["decode"]))
     return "\n".join(lines)
+
+
+def _size(num_bytes):
+    if num_bytes is None:
+        return "-"
+    if num_bytes < 2**20:
+        return f"{num_bytes / 2**10:.1f} KiB"
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def decode_markdown(decode):
+    """The decode table: step latency and carried state per position."""
+
+    def cell(layer, position, field):
+        for row in decode:
+            if row["layer"] == layer and row["position"] == position:
+                return row.get(field)
+        return None
+
+    names = [n for n in DECODE_LAYERS if any(r["layer"] == n for r in decode)]
+    lines = [
+        "**Decode: one causal step at a position**",
+        "",
+        "Step latency in ms (median): LinearAttention from its carried state "
+        "(`initial_state`; `linear`: the default map, `favor_plus`, "
+        "`grouped`), MultiHeadAttention from the new token over the whole "
+        "prefix (no cache). State: bytes each LinearAttention carries "
+        "between steps (batch 1, float32, the same at every position), and "
+        "the bytes a key/value cache would hold at that position "
+        "(2 x position x 8 heads x 64 x 4 bytes), which the no-cache MHA "
+        "step does not use.",
+        "",
+        "| position | "
+        + " | ".join(f"{n} (ms)" for n in names)
+        + " | MHA, no cache (ms) | "
+        + " | ".join(f"{n} state" for n in names)
+        + " | KV cache (not used by the no-cache MHA step) |",
+        "|---|" + "---|" * (2 * len(names) + 2),
+    ]
+    for position in sorted({r["position"] for r in decode}):
+        times = [cell(n, position, "ms") for n in names + ["mha"]]
+        sizes = [cell(n, position, "state_bytes") for n in names]
+        sizes.append(cell("mha", position, "kv_cache_bytes"))
+        lines.append(
+            f"| {position} | "
+            + " | ".join("-" if t is None else str(t) for t in times)
+            + " | "
+            + " | ".join(_size(b) for b in sizes)
+            + " |"
+        )
+    lines.append("")
+    return lines
 
 
 def plot(results, path):
@@ -632,6 +751,8 @@ def plot(results, path):
     for kind, style in (
         ("auto", "o-"),
         ("recurrent", "s:"),
+        ("favor_plus", "d-"),
+        ("grouped", "v-"),
         ("mha", "^-"),
         ("floor", "k--"),
     ):
@@ -669,7 +790,12 @@ def plot(results, path):
         title="peak memory, forward+backward",
     )
     axes[1].legend()
-    for kind, label in (("linear", "LinearAttention"), ("mha", "MHA")):
+    for kind, label in (
+        ("linear", "LinearAttention"),
+        ("favor_plus", "favor_plus"),
+        ("grouped", "grouped (2 key/value heads)"),
+        ("mha", "MHA (no cache)"),
+    ):
         points = sorted(
             (r["position"], r["ms"])
             for r in results["decode"]
@@ -741,7 +867,14 @@ def run(args):
             "model_dim": MODEL_DIM,
             "dtype": "float32",
         },
-        "times": measure_times(lengths, repeats, log),
+        # --quick times the variants at its longest length only, to stay
+        # under two minutes.
+        "times": measure_times(
+            lengths,
+            repeats,
+            log,
+            variant_lengths=lengths[-1:] if args.quick else None,
+        ),
         "decode": measure_decode(positions, repeats, log),
         "memory": (
             []
@@ -768,12 +901,20 @@ def write(results, out):
                 "mode",
                 "layer",
                 "length",
+                "position",
                 "ms",
+                "state_bytes",
+                "kv_cache_bytes",
                 "note",
             ],
         )
         writer.writeheader()
         writer.writerows(results["times"])
+        # Decode rows: mode "decode", a position instead of a length.
+        writer.writerows(
+            {"causal": True, "mode": "decode", **row}
+            for row in results["decode"]
+        )
     text = markdown(results)
     text += "\n" + targets_table({backend: results}) + "\n"
     with open(base + ".md", "w") as file:
@@ -801,7 +942,12 @@ def summary(out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~30 s")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 lengths (the LinearAttention variants at the longest only), "
+        "2 decode positions, 1 memory point: under two minutes",
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="one tiny point, for tests"
     )
