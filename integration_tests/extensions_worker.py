@@ -1,0 +1,161 @@
+"""Streaming helper and worker for LMs with FAVOR+, Hedgehog, grouped heads.
+
+`build_step_model()` is `lm_task.build_step_model()` for any attention
+configuration: its state inputs take their shapes from each layer's
+`get_initial_state()`, which are `(num_key_value_heads, features,
+value_dim)` and `(num_key_value_heads, features)`, with `features =
+num_features` for `"favor_plus"` and `"hedgehog"` (`lm_task`'s version
+assumes `(num_heads, key_dim, ...)`, the default configuration).
+
+As a script, a worker (see `workers.py`) that loads saved LMs on this
+process's backend:
+
+    KERAS_BACKEND=<backend> python extensions_worker.py INPUTS \
+        MODEL OUTPUTS [MODEL OUTPUTS ...]
+
+For each `.keras` file MODEL it writes to the `.npz` file OUTPUTS the
+model's predictions for the token array in the `.npy` file INPUTS
+(`predictions`) and each attention layer's weights named
+`random_features` or `feature_map_kernel` (`<layer>/<weight>`), and checks
+on this backend that the loaded model streams (greedy generation with
+carried states gives the full-sequence logits) and that a FAVOR+ layer
+rebuilt from its configuration draws from its `seed` the same random
+features as the saved ones. One process loads all models: importing the
+backend is most of a worker's time.
+"""
+
+import sys
+
+import lm_task
+import numpy as np
+import workers
+
+import keras
+
+NUM_GENERATED = 3
+EXTENSION_WEIGHTS = ("random_features", "feature_map_kernel")
+
+
+def build_step_model(model):
+    """A streaming copy of `model` (an `lm_task.build_lm()` model).
+
+    As `lm_task.build_step_model()` (see there), with the state shapes of
+    the model's own attention layers.
+    """
+    layers = {
+        layer.name: layer.__class__.from_config(layer.get_config())
+        for layer in model.layers
+        if not isinstance(layer, (keras.layers.InputLayer, keras.layers.Add))
+    }
+    tokens = keras.Input(shape=(None,), dtype="int32", name="tokens")
+    states = []
+    for name in lm_task.attention_layer_names():
+        zeros = layers[name].get_initial_state(1)
+        states.append(
+            tuple(
+                keras.Input(shape=tuple(zero.shape[1:]), name=f"{name}_{part}")
+                for zero, part in zip(zeros, ("key_value_state", "key_state"))
+            )
+        )
+    logits, new_states = lm_task._forward(layers, tokens, states)
+    step_model = keras.Model(
+        [tokens] + lm_task.flatten(states),
+        [logits] + lm_task.flatten(new_states),
+        name=f"{model.name}_step",
+    )
+    for name, layer in layers.items():
+        layer.set_weights(model.get_layer(name).get_weights())
+    return step_model
+
+
+def extension_weights(model):
+    """`{"<layer>/<weight>": array}` of the feature maps' own weights."""
+    weights = {}
+    for name in lm_task.attention_layer_names():
+        layer = model.get_layer(name)
+        for weight in EXTENSION_WEIGHTS:
+            if hasattr(layer, weight):
+                weights[f"{name}/{weight}"] = keras.ops.convert_to_numpy(
+                    getattr(layer, weight)
+                )
+    return weights
+
+
+def streaming_max_diff(model, prompts, num_generated):
+    """Max |logits of generation steps - last logits of full calls|."""
+    step_model = build_step_model(model)
+    tokens, step_logits, _ = lm_task.greedy_generate(
+        step_model,
+        prompts,
+        num_generated,
+        lm_task.zero_states(model, len(prompts)),
+        prefill="chunk",
+    )
+    diff = 0.0
+    for j in range(num_generated):
+        sequences = [
+            np.concatenate([p, t[:j]]) for p, t in zip(prompts, tokens)
+        ]
+        full = lm_task.last_logits(model, sequences)
+        diff = max(diff, float(np.abs(full - step_logits[:, j]).max()))
+    return diff
+
+
+def _redrawn_random_features_diff(model):
+    """Max |features drawn from each FAVOR+ layer's seed - loaded ones|."""
+    diff = None
+    for name in lm_task.attention_layer_names():
+        layer = model.get_layer(name)
+        if layer.feature_map != "favor_plus":
+            continue
+        fresh = layer.__class__.from_config(layer.get_config())
+        fresh.build((None, None, lm_task.D_MODEL))
+        d = float(
+            np.abs(
+                keras.ops.convert_to_numpy(fresh.random_features)
+                - keras.ops.convert_to_numpy(layer.random_features)
+            ).max()
+        )
+        diff = d if diff is None else max(diff, d)
+    return diff
+
+
+def check_model(model_path, inputs, outputs_path):
+    # Inference only: without the training configuration. With it, a
+    # model compiled on TensorFlow on a CPU-only machine (where
+    # `jit_compile="auto"` resolves to, and saves, `False`) runs eagerly
+    # on JAX, twice as slow here; and on PyTorch `jit_compile=True` means
+    # `torch.compile` (see saved_model_worker.py).
+    model = keras.saving.load_model(model_path, compile=False)
+    predictions = np.asarray(model.predict(inputs, verbose=0))
+    np.savez(outputs_path, predictions=predictions, **extension_weights(model))
+    return {
+        "attention_configs": [
+            {
+                key: model.get_layer(name).get_config()[key]
+                for key in ("feature_map", "num_key_value_heads", "seed")
+            }
+            for name in lm_task.attention_layer_names()
+        ],
+        "streaming_max_diff": streaming_max_diff(
+            model, inputs[:2, : lm_task.NUM_KEYS + 2], NUM_GENERATED
+        ),
+        "redrawn_random_features_max_diff": _redrawn_random_features_diff(
+            model
+        ),
+    }
+
+
+def main(inputs_path, *models_and_outputs):
+    inputs = np.load(inputs_path)
+    pairs = zip(models_and_outputs[::2], models_and_outputs[1::2])
+    workers.print_result(
+        {
+            "backend": keras.backend.backend(),
+            "models": [check_model(m, inputs, o) for m, o in pairs],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
