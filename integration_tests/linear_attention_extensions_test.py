@@ -487,19 +487,6 @@ def test_redraw_random_features_from_a_callback_during_fit():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "FAVOR+ key features exp(w . x' - |x'|^2 / 2) / sqrt(m) are not "
-        "stabilized: the exponent reaches max_j |w_j|^2 / 2, the largest of "
-        "num_features chi-square(key_dim) / 2 draws (91.1 for key_dim=128, "
-        "512 features, seed 0), beyond ln(float32 max) = 88.7, so one key "
-        "along a random feature overflows to inf and every later causal "
-        "output is NaN. The comment in `_feature` says keys cannot "
-        "overflow in float32."
-    ),
-)
 def test_favor_plus_keys_of_a_128_dim_head_stay_finite():
     key_dim = 128  # the default num_features is 4 * key_dim = 512
     layer = keras.layers.LinearAttention(

@@ -18,6 +18,11 @@ from keras.src.saving import serialization_lib
 _FEATURE_MAPS = ("elu_plus_one", "relu", "favor_plus", "hedgehog")
 # Feature maps with their own size (`num_features`) and weights.
 _SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog")
+# Cap on the exponents of FAVOR+ features: exp(60) ~ 1e26 leaves twelve
+# orders of magnitude of float32 range for sums over time steps. Exponents
+# reach it only for keys nearly aligned with a random feature of squared
+# norm above 120, i.e. not for key_dim <= 64 in practice.
+_FAVOR_MAX_EXPONENT = 60.0
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 
 
@@ -87,8 +92,11 @@ class LinearAttention(Layer):
               With the normalizer, each query's features are rescaled so
               that the largest is `1 / sqrt(num_features)` (a factor per
               token that cancels in the ratio, up to
-              `normalization_epsilon`); features are computed in float32 or
-              float64, never with statistics over the sequence.
+              `normalization_epsilon`), and exponents are capped at 60 so
+              that float32 sums cannot overflow (reached only by keys far
+              outside the usual range, for key_dim above ~100); features
+              are computed in float32 or float64, never with statistics
+              over the sequence.
               The projection `w` (shared by all heads) is drawn with NumPy
               from `seed` when the layer is built and kept as the
               non-trainable weight `random_features`, so that the same seed
@@ -471,7 +479,9 @@ class LinearAttention(Layer):
         then kept (they are saved with the model). Redrawing them during
         training, e.g. from a callback every few hundred steps, is optional
         and off by default; it can lower the variance of the approximation
-        that a model adapts to.
+        that a model adapts to. In a callback, reach the layer through
+        `self.model` (on JAX, that syncs the training state, which would
+        otherwise overwrite the new features).
 
         Args:
             seed: Optional integer. Defaults to a seed drawn from NumPy's
@@ -569,9 +579,10 @@ class LinearAttention(Layer):
             # exp(w . x - |x|^2 / 2) / sqrt(m) with x scaled by
             # key_dim^(-1/4), so that phi(q) . phi(k) estimates
             # exp(q . k / sqrt(key_dim)). Whatever x, the exponent is at
-            # most max |w|^2 / 2 (about key_dim / 2, a little more for the
-            # longest of the m columns), so float32 keys cannot overflow for
-            # key_dim up to about 128.
+            # most max |w|^2 / 2 (about key_dim / 2, more for the longest of
+            # the m columns), which overflows float32 from key_dim ~ 128:
+            # exponents are capped per element (never by a statistic over
+            # the sequence, which would break chunked runs).
             x = x * self.key_dim**-0.25
             features = ops.cast(self.random_features, x.dtype)
             exponent = ops.einsum("bthd,dm->bthm", x, features)
@@ -585,6 +596,8 @@ class LinearAttention(Layer):
                 # never over the sequence, so that full, chunked and
                 # token-by-token runs agree.
                 exponent = exponent - ops.max(exponent, axis=-1, keepdims=True)
+            # min(exponent, cap); `ops.minimum` would demote float64 on torch.
+            exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
             return ops.exp(exponent) * self.num_features**-0.5
         if self.feature_map == "hedgehog":
             kernel = ops.cast(self.feature_map_kernel, x.dtype)

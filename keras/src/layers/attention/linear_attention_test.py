@@ -143,6 +143,7 @@ def _np_layer_feature(layer, weights, x, is_query):
             # Query features scaled per token to a largest value of
             # 1 / sqrt(m): cancels in the ratio, up to the epsilon.
             exponent = exponent - np.max(exponent, axis=-1, keepdims=True)
+        exponent = np.minimum(exponent, 60.0)  # the layer's overflow cap
         return np.exp(exponent) / np.sqrt(projection.shape[1])
     if layer.feature_map == "hedgehog":
         kernel = weights[(None, "feature_map_kernel")]
