@@ -381,6 +381,7 @@ def measure_decode(positions, repeats, log):
         for name in DECODE_LAYERS
     }
     mha = keras.layers.MultiHeadAttention(NUM_HEADS, HEAD_DIM)
+    all_steps = []
     for position in positions:
         prefix = _inputs(position + 1)
         token = prefix[:, -1:]
@@ -407,22 +408,37 @@ def measure_decode(positions, repeats, log):
                 {"kv_cache_bytes": kv_cache_bytes(position)},
             )
         )
-        for name, function, sizes in steps:
-            seconds = _median_time(function, (), repeats * 5)
-            rows.append(
-                {
-                    "backend": backend,
-                    "layer": name,
-                    "position": position,
-                    "ms": round(seconds * 1e3, 4),
-                    **sizes,
-                }
-            )
-            size = ", ".join(f"{k}={v}" for k, v in sizes.items())
-            log(
-                f"  decode {name:10} position={position:<6} "
-                f"{seconds * 1e3:.3f} ms, {size}"
-            )
+        all_steps.extend((position, *step) for step in steps)
+    # Round-robin over positions and layers, so that a slow phase of the
+    # machine hits every point alike instead of one position (the 16k / 1k
+    # ratio compares the same computation at two positions).
+    times = {(position, name): [] for position, name, _, _ in all_steps}
+    for _, _, function, _ in all_steps:
+        function()  # compile and warm up
+    for _ in range(repeats * 5):
+        for position, name, function, _ in all_steps:
+            if name == "mha" and len(times[(position, name)]) >= 3:
+                if sum(times[(position, name)]) > 5:
+                    continue  # long softmax steps: a few repeats suffice
+            start = time.perf_counter()
+            function()
+            times[(position, name)].append(time.perf_counter() - start)
+    for position, name, _, sizes in all_steps:
+        seconds = float(np.median(times[(position, name)]))
+        rows.append(
+            {
+                "backend": backend,
+                "layer": name,
+                "position": position,
+                "ms": round(seconds * 1e3, 4),
+                **sizes,
+            }
+        )
+        size = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        log(
+            f"  decode {name:10} position={position:<6} "
+            f"{seconds * 1e3:.3f} ms, {size}"
+        )
     return rows
 
 
@@ -564,6 +580,36 @@ def target_values(results):
                 return row.get("peak_mb")
         return None
 
+    def failed(table, layer, length, field):
+        return any(
+            row["layer"] == layer
+            and row["length"] == length
+            and row.get(field) is None
+            and row.get("causal", True)
+            and row.get("mode", "forward") == "forward"
+            for row in table
+        )
+
+    # Where MultiHeadAttention could not run at 16k (out of memory under
+    # the address-space limit) and LinearAttention did, the ratio has no
+    # value; softmax attention is out of reach, so the target counts as met
+    # and says why. For memory, the limit gives a lower bound.
+    time_16k = _ratio(_time(rows, "mha", 16384), _time(rows, "auto", 16384))
+    if failed(rows, "mha", 16384, "ms") and _time(rows, "auto", 16384):
+        time_16k = (
+            float("inf"),
+            f"MHA out of memory; linear {_time(rows, 'auto', 16384):.0f} ms",
+        )
+    memory_16k = _ratio(peak("mha", 16384), peak("auto", 16384))
+    linear_peak = peak("auto", 16384)
+    if failed(memory, "mha", 16384, "peak_mb") and linear_peak:
+        bound = MEMORY_LIMIT_GB * 1024 / max(linear_peak, 1.0)
+        memory_16k = (
+            bound,
+            f"> {bound:.0f} (MHA > {MEMORY_LIMIT_GB} GiB limit, "
+            f"linear {linear_peak:.0f} MB)",
+        )
+
     def step(layer, position):
         for row in decode:
             if row["layer"] == layer and row["position"] == position:
@@ -574,14 +620,14 @@ def target_values(results):
     return [
         _ratio(_time(rows, "auto", 4096), _time(rows, "floor", 4096)),
         _ratio(_time(rows, "mha", 4096), _time(rows, "auto", 4096)),
-        _ratio(_time(rows, "mha", 16384), _time(rows, "auto", 16384)),
+        time_16k,
         (cross, cross_text),
         _ratio(_time(rows, "recurrent", 4096), _time(rows, "parallel", 4096)),
         _ratio(
             _time(rows, "mha", 4096, mode="forward+backward"),
             _time(rows, "auto", 4096, mode="forward+backward"),
         ),
-        _ratio(peak("mha", 16384), peak("auto", 16384)),
+        memory_16k,
         _ratio(step("linear", 16384), step("linear", 1024)),
     ]
 
