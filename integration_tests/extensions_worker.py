@@ -1,11 +1,4 @@
-"""Streaming helper and worker for LMs with FAVOR+, Hedgehog, grouped heads.
-
-`build_step_model()` is `lm_task.build_step_model()` for any attention
-configuration: its state inputs take their shapes from each layer's
-`get_initial_state()`, which are `(num_key_value_heads, features,
-value_dim)` and `(num_key_value_heads, features)`, with `features =
-num_features` for `"favor_plus"` and `"hedgehog"` (`lm_task`'s version
-assumes `(num_heads, key_dim, ...)`, the default configuration).
+"""Helpers and worker for LMs with FAVOR+, Hedgehog, grouped heads.
 
 As a script, a worker (see `workers.py`) that loads saved LMs on this
 process's backend:
@@ -36,38 +29,6 @@ NUM_GENERATED = 3
 EXTENSION_WEIGHTS = ("random_features", "feature_map_kernel")
 
 
-def build_step_model(model):
-    """A streaming copy of `model` (an `lm_task.build_lm()` model).
-
-    As `lm_task.build_step_model()` (see there), with the state shapes of
-    the model's own attention layers.
-    """
-    layers = {
-        layer.name: layer.__class__.from_config(layer.get_config())
-        for layer in model.layers
-        if not isinstance(layer, (keras.layers.InputLayer, keras.layers.Add))
-    }
-    tokens = keras.Input(shape=(None,), dtype="int32", name="tokens")
-    states = []
-    for name in lm_task.attention_layer_names():
-        zeros = layers[name].get_initial_state(1)
-        states.append(
-            tuple(
-                keras.Input(shape=tuple(zero.shape[1:]), name=f"{name}_{part}")
-                for zero, part in zip(zeros, ("key_value_state", "key_state"))
-            )
-        )
-    logits, new_states = lm_task._forward(layers, tokens, states)
-    step_model = keras.Model(
-        [tokens] + lm_task.flatten(states),
-        [logits] + lm_task.flatten(new_states),
-        name=f"{model.name}_step",
-    )
-    for name, layer in layers.items():
-        layer.set_weights(model.get_layer(name).get_weights())
-    return step_model
-
-
 def extension_weights(model):
     """`{"<layer>/<weight>": array}` of the feature maps' own weights."""
     weights = {}
@@ -79,26 +40,6 @@ def extension_weights(model):
                     getattr(layer, weight)
                 )
     return weights
-
-
-def streaming_max_diff(model, prompts, num_generated):
-    """Max |logits of generation steps - last logits of full calls|."""
-    step_model = build_step_model(model)
-    tokens, step_logits, _ = lm_task.greedy_generate(
-        step_model,
-        prompts,
-        num_generated,
-        lm_task.zero_states(model, len(prompts)),
-        prefill="chunk",
-    )
-    diff = 0.0
-    for j in range(num_generated):
-        sequences = [
-            np.concatenate([p, t[:j]]) for p, t in zip(prompts, tokens)
-        ]
-        full = lm_task.last_logits(model, sequences)
-        diff = max(diff, float(np.abs(full - step_logits[:, j]).max()))
-    return diff
 
 
 def _redrawn_random_features_diff(model):
@@ -137,7 +78,7 @@ def check_model(model_path, inputs, outputs_path):
             }
             for name in lm_task.attention_layer_names()
         ],
-        "streaming_max_diff": streaming_max_diff(
+        "streaming_max_diff": lm_task.streaming_max_diff(
             model, inputs[:2, : lm_task.NUM_KEYS + 2], NUM_GENERATED
         ),
         "redrawn_random_features_max_diff": _redrawn_random_features_diff(

@@ -279,7 +279,7 @@ def test_greedy_generation_matches_full_sequence_calls(trained):
     prompts = _prompts(trained)
     assert len(set(map(len, prompts))) == len(prompts)
     batch = lm_task.left_pad(prompts)
-    step_model = extensions_worker.build_step_model(model)
+    step_model = lm_task.build_step_model(model)
     zero_states = lm_task.zero_states(model, len(prompts))
     tokens, step_logits, states = lm_task.greedy_generate(
         step_model, batch, NUM_GENERATED, zero_states, prefill="token"
@@ -289,35 +289,20 @@ def test_greedy_generation_matches_full_sequence_calls(trained):
         assert states[i].shape == (len(prompts), 1, features, lm_task.KEY_DIM)
         assert states[i + 1].shape == (len(prompts), 1, features)
 
-    for j in range(NUM_GENERATED):
-        sequences = [
-            np.concatenate([prompt, generated[:j]])
-            for prompt, generated in zip(prompts, tokens)
-        ]
-        full_logits = lm_task.last_logits(model, sequences)
-        np.testing.assert_allclose(
-            step_logits[:, j],
-            full_logits,
-            rtol=0,
-            atol=STREAMING_ATOL,
-            err_msg=f"generation step {j}",
-        )
-        np.testing.assert_array_equal(tokens[:, j], full_logits.argmax(-1))
+    lm_task.assert_generation_matches_full_calls(
+        model, prompts, tokens, step_logits, STREAMING_ATOL
+    )
 
     # The prompt read in one call (chunkwise, with state) gives the same
     # states and generation as read token by token (recurrent).
     chunk_tokens, chunk_logits, chunk_states = lm_task.greedy_generate(
         step_model, batch, NUM_GENERATED, zero_states, prefill="chunk"
     )
-    np.testing.assert_array_equal(chunk_tokens, tokens)
-    np.testing.assert_allclose(
-        chunk_logits, step_logits, rtol=0, atol=STREAMING_ATOL
+    lm_task.assert_same_generation(
+        (chunk_tokens, chunk_logits, chunk_states),
+        (tokens, step_logits, states),
+        STREAMING_ATOL,
     )
-    for chunk_state, state in zip(chunk_states, states):
-        scale = np.abs(state).max()
-        np.testing.assert_allclose(
-            chunk_state, state, rtol=0, atol=STREAMING_ATOL * scale
-        )
 
 
 def test_left_padded_full_call_matches_each_prompt_alone(trained):

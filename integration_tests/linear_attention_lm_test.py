@@ -127,35 +127,20 @@ def test_greedy_generation_matches_full_sequence_calls(trained_lm):
         model, prompts, prefill="token", step_model=step_model
     )
 
-    for j in range(NUM_GENERATED):
-        sequences = [
-            np.concatenate([prompt, generated[:j]])
-            for prompt, generated in zip(prompts, tokens)
-        ]
-        full_logits = lm_task.last_logits(model, sequences)
-        np.testing.assert_allclose(
-            step_logits[:, j],
-            full_logits,
-            rtol=0,
-            atol=STREAMING_ATOL,
-            err_msg=f"generation step {j}",
-        )
-        np.testing.assert_array_equal(tokens[:, j], full_logits.argmax(-1))
+    lm_task.assert_generation_matches_full_calls(
+        model, prompts, tokens, step_logits, STREAMING_ATOL
+    )
 
     # A prompt read in one call (chunkwise, with state) gives the same
     # states and generation as one read token by token (recurrent).
     chunk_tokens, chunk_logits, chunk_states = _generate(
         model, prompts, prefill="chunk", step_model=step_model
     )
-    np.testing.assert_array_equal(chunk_tokens, tokens)
-    np.testing.assert_allclose(
-        chunk_logits, step_logits, rtol=0, atol=STREAMING_ATOL
+    lm_task.assert_same_generation(
+        (chunk_tokens, chunk_logits, chunk_states),
+        (tokens, step_logits, states),
+        STREAMING_ATOL,
     )
-    for chunk_state, state in zip(chunk_states, states):
-        scale = np.abs(state).max()
-        np.testing.assert_allclose(
-            chunk_state, state, rtol=0, atol=STREAMING_ATOL * scale
-        )
 
 
 def test_left_padded_prompts_match_each_prompt_alone(trained_lm):

@@ -179,15 +179,14 @@ def build_step_model(model):
     tokens = keras.Input(shape=(None,), dtype="int32", name="tokens")
     states = []
     for name in attention_layer_names():
-        layer = layers[name]
-        heads, key_dim = layer.num_heads, layer.key_dim
+        # The state shapes of the layer's configuration (key/value heads,
+        # feature map size), without the batch dimension.
+        zeros = layers[name].get_initial_state(1)
+        parts = ("key_value_state", "key_state")
         states.append(
-            (
-                keras.Input(
-                    shape=(heads, key_dim, layer.value_dim),
-                    name=f"{name}_key_value_state",
-                ),
-                keras.Input(shape=(heads, key_dim), name=f"{name}_key_state"),
+            tuple(
+                keras.Input(shape=tuple(zero.shape[1:]), name=f"{name}_{part}")
+                for zero, part in zip(zeros, parts)
             )
         )
     logits, new_states = _forward(layers, tokens, states)
@@ -199,6 +198,66 @@ def build_step_model(model):
     for name, layer in layers.items():
         layer.set_weights(model.get_layer(name).get_weights())
     return step_model
+
+
+def streaming_max_diff(model, prompts, num_generated):
+    """Max |logits of streamed generation steps - last logits of full calls|.
+
+    The prompts are read in one call each (chunkwise, with state), then
+    `num_generated` tokens are generated one step at a time.
+    """
+    tokens, step_logits, _ = greedy_generate(
+        build_step_model(model),
+        prompts,
+        num_generated,
+        zero_states(model, len(prompts)),
+        prefill="chunk",
+    )
+    diff = 0.0
+    for j in range(num_generated):
+        sequences = [
+            np.concatenate([p, t[:j]]) for p, t in zip(prompts, tokens)
+        ]
+        full = last_logits(model, sequences)
+        diff = max(diff, float(np.abs(full - step_logits[:, j]).max()))
+    return diff
+
+
+def assert_generation_matches_full_calls(
+    model, prompts, tokens, step_logits, atol
+):
+    """Each generation step's logits are the last logits of a full call.
+
+    `tokens` and `step_logits` come from `greedy_generate()`; step `j` must
+    match `model` called on each prompt followed by its first `j` generated
+    tokens, and pick the same token.
+    """
+    for j in range(tokens.shape[1]):
+        sequences = [
+            np.concatenate([prompt, generated[:j]])
+            for prompt, generated in zip(prompts, tokens)
+        ]
+        full_logits = last_logits(model, sequences)
+        np.testing.assert_allclose(
+            step_logits[:, j],
+            full_logits,
+            rtol=0,
+            atol=atol,
+            err_msg=f"generation step {j}",
+        )
+        np.testing.assert_array_equal(tokens[:, j], full_logits.argmax(-1))
+
+
+def assert_same_generation(actual, expected, atol):
+    """Two `greedy_generate()` results: same tokens, logits and states."""
+    np.testing.assert_array_equal(actual[0], expected[0])
+    np.testing.assert_allclose(actual[1], expected[1], rtol=0, atol=atol)
+    for actual_state, state in zip(actual[2], expected[2]):
+        # States grow with the prompt length: relative to their size.
+        scale = np.abs(state).max()
+        np.testing.assert_allclose(
+            actual_state, state, rtol=0, atol=atol * scale
+        )
 
 
 def flatten(states):

@@ -38,23 +38,7 @@ def main(model_path, inputs_path, outputs_path):
     # Streaming after loading: each generated token's logits are the last
     # logits of a full-sequence call.
     prompts = inputs[:2, : lm_task.NUM_KEYS + 2]
-    step_model = lm_task.build_step_model(model)
-    tokens, step_logits, _ = lm_task.greedy_generate(
-        step_model,
-        prompts,
-        NUM_GENERATED,
-        lm_task.zero_states(model, len(prompts)),
-        prefill="chunk",
-    )
-    streaming_diff = 0.0
-    for j in range(NUM_GENERATED):
-        sequences = [
-            np.concatenate([p, t[:j]]) for p, t in zip(prompts, tokens)
-        ]
-        full = lm_task.last_logits(model, sequences)
-        streaming_diff = max(
-            streaming_diff, float(np.abs(full - step_logits[:, j]).max())
-        )
+    streaming_diff = lm_task.streaming_max_diff(model, prompts, NUM_GENERATED)
 
     # Save and load again on this backend.
     with tempfile.TemporaryDirectory() as tmp:
