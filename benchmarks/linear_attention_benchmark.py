@@ -243,46 +243,61 @@ def _is_out_of_memory(error):
     )
 
 
+def _measured(kind, causal, mode, length, variant_lengths):
+    """Whether `measure_times` measures this point."""
+    if not causal and kind in ("parallel", "recurrent"):
+        return False  # one non-causal algorithm, measured as "auto"
+    if (
+        kind in VARIANTS
+        and variant_lengths is not None
+        and length not in variant_lengths
+    ):
+        return False
+    if kind == "recurrent" and length > RECURRENT_MAX_LENGTH[mode]:
+        return False
+    return not (
+        kind == "mha" and mode != "forward" and length > MHA_BACKWARD_MAX_LENGTH
+    )
+
+
 def measure_times(lengths, repeats, log, variant_lengths=None):
-    """Times of `TIME_KINDS`; `VARIANTS` at `variant_lengths` (or all)."""
+    """Times of `TIME_KINDS`; `VARIANTS` at `variant_lengths` (or all).
+
+    At each length, the kinds run in turns (round-robin over the repeats),
+    so that a slow phase of the machine slows every kind alike instead of
+    one of them: the targets are ratios between kinds.
+    """
     keras = _keras()
     rows = []
     for causal in (True, False):
         for mode in ("forward", "forward+backward"):
+            layers = {}
             for kind in TIME_KINDS:
-                if not causal and kind in ("parallel", "recurrent"):
-                    continue  # one non-causal algorithm, measured as "auto"
-                layer = _make_layer(kind, causal)
-                layer(_inputs(8))
-                for length in lengths:
-                    if (
-                        kind in VARIANTS
-                        and variant_lengths is not None
-                        and length not in variant_lengths
+                if causal or kind not in ("parallel", "recurrent"):
+                    layers[kind] = _make_layer(kind, causal)
+                    layers[kind](_inputs(8))
+            for length in lengths:
+                x = _inputs(length)
+                functions, points = {}, {}
+                for kind, layer in layers.items():
+                    if not _measured(
+                        kind, causal, mode, length, variant_lengths
                     ):
                         continue
-                    if kind == "recurrent" and (
-                        length > RECURRENT_MAX_LENGTH[mode]
-                    ):
-                        continue
-                    if (
-                        kind == "mha"
-                        and mode != "forward"
-                        and length > MHA_BACKWARD_MAX_LENGTH
-                    ):
-                        continue
-                    row = {
+                    points[kind] = {
                         "backend": keras.backend.backend(),
                         "causal": causal,
                         "mode": mode,
                         "layer": kind,
                         "length": length,
+                        "ms": None,
                     }
+                    function = _compile(layer, mode)
                     try:
-                        seconds = _median_time(
-                            _compile(layer, mode), (_inputs(length),), repeats
-                        )
-                        row["ms"] = round(seconds * 1e3, 3)
+                        function(x)  # compile
+                        start = time.perf_counter()
+                        function(x)  # warm-up
+                        elapsed = time.perf_counter() - start
                     except Exception as error:  # report, never crash
                         # Softmax attention's (T, T) tensors can fail in
                         # backend-specific ways (JAX's CPU kernels report
@@ -290,13 +305,28 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                         # not fail.
                         if kind != "mha" and not _is_out_of_memory(error):
                             raise
-                        row["ms"] = None
-                        row["note"] = "out of memory"
-                    rows.append(row)
+                        points[kind]["note"] = "out of memory"
+                        continue
+                    # Long points (softmax attention at 16k) get fewer
+                    # repeats.
+                    count = max(1, min(repeats, int(5 / elapsed)))
+                    functions[kind] = (function, count, [])
+                for round_ in range(repeats):
+                    for function, count, times in functions.values():
+                        if round_ < count:
+                            start = time.perf_counter()
+                            function(x)
+                            times.append(time.perf_counter() - start)
+                for kind, point in points.items():
+                    if kind in functions:
+                        seconds = float(np.median(functions[kind][2]))
+                        point["ms"] = round(seconds * 1e3, 3)
+                    rows.append(point)
                     log(
                         f"  {'causal' if causal else 'non-causal':10} "
                         f"{mode:16} {kind:10} T={length:<6} "
-                        f"{row['ms'] if row['ms'] is not None else 'OOM'} ms"
+                        f"{point['ms'] if point['ms'] is not None else 'OOM'}"
+                        " ms"
                     )
     return rows
 
