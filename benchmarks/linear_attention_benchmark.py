@@ -211,20 +211,6 @@ def _compile(layer, mode, **call_kwargs):
     return run
 
 
-def _median_time(function, args, repeats):
-    function(*args)  # compile
-    start = time.perf_counter()
-    function(*args)  # warm-up
-    # Long points (softmax attention at 16k) get fewer repeats.
-    repeats = max(1, min(repeats, int(5 / (time.perf_counter() - start))))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function(*args)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def _inputs(length, width=MODEL_DIM, seed=0):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((1, length, width), dtype=np.float32)

@@ -466,9 +466,6 @@ class LinearAttention(Layer):
 
     def _draw_random_features(self, shape, dtype=None):
         seed = self.seed if isinstance(self.seed, int) else None
-        if seed is None:
-            # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
-            seed = np.random.randint(2**31 - 1)
         features = _orthogonal_random_features(*shape, seed=seed)
         return ops.convert_to_tensor(features, dtype=dtype)
 
@@ -493,8 +490,6 @@ class LinearAttention(Layer):
                 "feature_map='favor_plus'. Received: "
                 f"feature_map={self.feature_map!r}, built={self.built}"
             )
-        if seed is None:
-            seed = np.random.randint(2**31 - 1)
         features = _orthogonal_random_features(
             self.key_dim, self.num_features, seed=seed
         )
@@ -1061,6 +1056,9 @@ def _orthogonal_random_features(key_dim, num_features, seed):
     of Gaussian vectors so that each column is marginally Gaussian
     (Choromanski et al., 2021). NumPy makes it independent of the backend.
     """
+    if seed is None:
+        # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
+        seed = np.random.randint(2**31 - 1)
     generator = np.random.default_rng(seed)
     blocks = []
     for _ in range(math.ceil(num_features / key_dim)):
