@@ -2,7 +2,8 @@
 
 For the backend selected by `KERAS_BACKEND`, in one process, this measures
 (after warm-up, compiled with `jax.jit`, `tf.function(jit_compile=True)`, or
-PyTorch eager; median of several repeats):
+PyTorch eager and, for the causal kinds the targets compare, `torch.compile`;
+median of several repeats):
 
 - causal and non-causal forward, and forward+backward, for LinearAttention
   (`"auto"`, `"parallel"`, `"recurrent"`), its variants `"favor_plus"`
@@ -24,6 +25,12 @@ PyTorch eager; median of several repeats):
   cache would hold at that position (which the no-cache MHA step does not
   use);
 - the crossover length above which LinearAttention is faster.
+
+On PyTorch, `auto_compiled`, `mha_compiled` and `floor_compiled` are
+`auto`, `mha` and `floor` under `torch.compile` (causal only; the recurrent
+path, a Python loop over steps, is not compiled). The targets table of
+PyTorch is given twice: with those (as XLA compiles everything on the other
+backends) and eager; memory and decode are eager in both.
 
 Shapes: batch 1, 8 heads, key_dim = value_dim = 64, model width 512,
 float32. Results go to `benchmarks/results/<backend>.{md,csv,json,png}`
@@ -70,6 +77,9 @@ VARIANTS = {
     "grouped": {"num_key_value_heads": 2},
 }
 TIME_KINDS = ("auto", "parallel", "recurrent", *VARIANTS, "mha", "floor")
+# PyTorch only: the kinds the targets compare, under `torch.compile`.
+COMPILED_SUFFIX = "_compiled"
+COMPILED_KINDS = tuple(k + COMPILED_SUFFIX for k in ("auto", "mha", "floor"))
 # "linear": the default LinearAttention (elu + 1 map, 8 key/value heads).
 DECODE_LAYERS = ("linear", *VARIANTS)
 
@@ -96,6 +106,7 @@ def _keras():
 def _make_layer(kind, causal, execution_mode="parallel"):
     """A layer of `kind`; `execution_mode` applies to `VARIANTS` only."""
     keras = _keras()
+    kind = kind.removesuffix(COMPILED_SUFFIX)
     if kind in ("auto", "parallel", "recurrent"):
         return keras.layers.LinearAttention(
             NUM_HEADS, HEAD_DIM, causal=causal, execution_mode=kind
@@ -144,8 +155,11 @@ def _make_layer(kind, causal, execution_mode="parallel"):
     return Projections()
 
 
-def _compile(layer, mode, **call_kwargs):
-    """A function of `x` running `layer` forward or forward+backward."""
+def _compile(layer, mode, compiled=False, **call_kwargs):
+    """A function of `x` running `layer` forward or forward+backward.
+
+    `compiled`: PyTorch only, under `torch.compile` instead of eager.
+    """
     keras = _keras()
     backend = keras.backend.backend()
     if backend == "jax":
@@ -195,13 +209,18 @@ def _compile(layer, mode, **call_kwargs):
         )
     import torch
 
+    module = layer
+    if compiled:
+        # One static graph per length (`dynamic=False`: no symbolic shapes).
+        module = torch.compile(layer, dynamic=False)
+
     def run(x):
         x = torch.as_tensor(x)
         if mode == "forward":
             with torch.no_grad():
-                return layer(x, **call_kwargs)
+                return module(x, **call_kwargs)
         x.requires_grad_(True)
-        out = layer(x, **call_kwargs)
+        out = module(x, **call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
         out.sum().backward()
         for variable in layer.trainable_variables:
@@ -231,14 +250,15 @@ def _is_out_of_memory(error):
 
 def _measured(kind, causal, mode, length, variant_lengths):
     """Whether `measure_times` measures this point."""
-    if not causal and kind in ("parallel", "recurrent"):
+    if not causal and kind in ("parallel", "recurrent", *COMPILED_KINDS):
         return False  # one non-causal algorithm, measured as "auto"
     if (
-        kind in VARIANTS
+        kind in (*VARIANTS, *COMPILED_KINDS)
         and variant_lengths is not None
         and length not in variant_lengths
     ):
         return False
+    kind = kind.removesuffix(COMPILED_SUFFIX)
     if kind == "recurrent" and length > RECURRENT_MAX_LENGTH[mode]:
         return False
     return not (
@@ -251,19 +271,32 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
 
     At each length, the kinds run in turns (round-robin over the repeats),
     so that a slow phase of the machine slows every kind alike instead of
-    one of them: the targets are ratios between kinds.
+    one of them: the targets are ratios between kinds. MultiHeadAttention
+    runs in its own turns after the others, because running right after it
+    (hundreds of MB of scores allocated and freed) slows short kinds such
+    as the floor; on PyTorch, compiled kinds run in their own turns too.
     """
     keras = _keras()
+    backend = keras.backend.backend()
+    kinds = TIME_KINDS + (COMPILED_KINDS if backend == "torch" else ())
+    if backend == "torch":
+        import torch
+
+        # One graph per kind, mode and length; more than the default limit,
+        # past which `torch.compile` silently falls back to eager.
+        torch._dynamo.config.cache_size_limit = 64
     rows = []
     for causal in (True, False):
         for mode in ("forward", "forward+backward"):
             layers = {}
-            for kind in TIME_KINDS:
+            for kind in kinds:
                 if causal or kind not in ("parallel", "recurrent"):
                     layers[kind] = _make_layer(kind, causal)
                     layers[kind](_inputs(8))
             for length in lengths:
                 x = _inputs(length)
+                if backend == "torch":
+                    torch._dynamo.reset()  # graphs of the previous length
                 functions, points = {}, {}
                 for kind, layer in layers.items():
                     if not _measured(
@@ -278,7 +311,9 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                         "length": length,
                         "ms": None,
                     }
-                    function = _compile(layer, mode)
+                    function = _compile(
+                        layer, mode, compiled=kind in COMPILED_KINDS
+                    )
                     try:
                         function(x)  # compile
                         start = time.perf_counter()
@@ -297,12 +332,13 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                     # repeats.
                     count = max(1, min(repeats, int(5 / elapsed)))
                     functions[kind] = (function, count, [])
-                for round_ in range(repeats):
-                    for function, count, times in functions.values():
-                        if round_ < count:
-                            start = time.perf_counter()
-                            function(x)
-                            times.append(time.perf_counter() - start)
+                for group in sorted({_turns(kind) for kind in functions}):
+                    for round_ in range(repeats):
+                        for kind, (function, count, times) in functions.items():
+                            if _turns(kind) == group and round_ < count:
+                                start = time.perf_counter()
+                                function(x)
+                                times.append(time.perf_counter() - start)
                 for kind, point in points.items():
                     if kind in functions:
                         seconds = float(np.median(functions[kind][2]))
@@ -315,6 +351,14 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                         " ms"
                     )
     return rows
+
+
+def _turns(kind):
+    """Kinds timed in turns with each other: an order of the groups."""
+    return (
+        kind.removesuffix(COMPILED_SUFFIX) == "mha",
+        kind.endswith(COMPILED_SUFFIX),
+    )
 
 
 def _decode_step(layer, token, state):
@@ -562,12 +606,20 @@ def _time(rows, layer, length, causal=True, mode="forward"):
     return None
 
 
-def crossover(rows):
-    """Length where causal forward MHA time / LinearAttention time = 1."""
+def crossover(rows, suffix=""):
+    """Length where causal forward MHA time / LinearAttention time = 1.
+
+    `suffix`: `COMPILED_SUFFIX` for the `torch.compile` kinds.
+    """
     points = sorted(
-        (row["length"], _ratio(_time(rows, "mha", row["length"]), row["ms"]))
+        (
+            row["length"],
+            _ratio(_time(rows, "mha" + suffix, row["length"]), row["ms"]),
+        )
         for row in rows
-        if row["layer"] == "auto" and row["causal"] and row["mode"] == "forward"
+        if row["layer"] == "auto" + suffix
+        and row["causal"]
+        and row["mode"] == "forward"
     )
     points = [(n, r) for n, r in points if r is not None]
     if not points:
@@ -583,12 +635,17 @@ def crossover(rows):
     return None, f"> {points[-1][0]}"
 
 
-def target_values(results):
+def target_values(results, suffix=""):
+    """The targets' values; `suffix` selects the `torch.compile` kinds.
+
+    Recurrent / parallel, memory and decode use the eager kinds always.
+    """
     rows, memory, decode = (
         results["times"],
         results["memory"],
         results["decode"],
     )
+    auto, mha, floor = ("auto" + suffix, "mha" + suffix, "floor" + suffix)
 
     def peak(layer, length):
         for row in memory:
@@ -610,11 +667,11 @@ def target_values(results):
     # the address-space limit) and LinearAttention did, the ratio has no
     # value; softmax attention is out of reach, so the target counts as met
     # and says why. For memory, the limit gives a lower bound.
-    time_16k = _ratio(_time(rows, "mha", 16384), _time(rows, "auto", 16384))
-    if failed(rows, "mha", 16384, "ms") and _time(rows, "auto", 16384):
+    time_16k = _ratio(_time(rows, mha, 16384), _time(rows, auto, 16384))
+    if failed(rows, mha, 16384, "ms") and _time(rows, auto, 16384):
         time_16k = (
             float("inf"),
-            f"MHA out of memory; linear {_time(rows, 'auto', 16384):.0f} ms",
+            f"MHA out of memory; linear {_time(rows, auto, 16384):.0f} ms",
         )
     memory_16k = _ratio(peak("mha", 16384), peak("auto", 16384))
     linear_peak = peak("auto", 16384)
@@ -632,16 +689,16 @@ def target_values(results):
                 return row["ms"]
         return None
 
-    cross, cross_text = crossover(rows)
+    cross, cross_text = crossover(rows, suffix)
     return [
-        _ratio(_time(rows, "auto", 4096), _time(rows, "floor", 4096)),
-        _ratio(_time(rows, "mha", 4096), _time(rows, "auto", 4096)),
+        _ratio(_time(rows, auto, 4096), _time(rows, floor, 4096)),
+        _ratio(_time(rows, mha, 4096), _time(rows, auto, 4096)),
         time_16k,
         (cross, cross_text),
         _ratio(_time(rows, "recurrent", 4096), _time(rows, "parallel", 4096)),
         _ratio(
-            _time(rows, "mha", 4096, mode="forward+backward"),
-            _time(rows, "auto", 4096, mode="forward+backward"),
+            _time(rows, mha, 4096, mode="forward+backward"),
+            _time(rows, auto, 4096, mode="forward+backward"),
         ),
         memory_16k,
         _ratio(step("linear", 16384), step("linear", 1024)),
@@ -649,17 +706,32 @@ def target_values(results):
 
 
 def targets_table(all_results):
-    backends = [b for b in BACKENDS if b in all_results]
-    values = {b: target_values(all_results[b]) for b in backends}
+    """One column per backend; PyTorch: `torch.compile`, then eager."""
+    columns = []  # (title, backend, suffix)
+    for backend in BACKENDS:
+        if backend not in all_results:
+            continue
+        rows = all_results[backend]["times"]
+        if any(row["layer"].endswith(COMPILED_SUFFIX) for row in rows):
+            columns.append(
+                (f"{backend} (torch.compile)", backend, COMPILED_SUFFIX)
+            )
+            columns.append((f"{backend} (eager)", backend, ""))
+        else:
+            columns.append((backend, backend, ""))
+    values = [
+        target_values(all_results[backend], suffix)
+        for _, backend, suffix in columns
+    ]
     lines = [
-        "| target | " + " | ".join(backends) + " |",
-        "|---|" + "---|" * len(backends),
+        "| target | " + " | ".join(c[0] for c in columns) + " |",
+        "|---|" + "---|" * len(columns),
     ]
     for index, (name, bounds, kind) in enumerate(TARGETS):
         cells = []
-        for backend in backends:
+        for column, (_, backend, _) in enumerate(columns):
             bound = bounds[BACKENDS.index(backend)]
-            value = values[backend][index]
+            value = values[column][index]
             if isinstance(value, tuple):
                 number, text = value
             else:
@@ -689,14 +761,16 @@ def markdown(results):
         '`feature_map="favor_plus"` (256 random features) and `grouped`: '
         "with `num_key_value_heads=2` (8 query heads share 2 key/value "
         'heads), both `execution_mode="parallel"`; `mha`: '
-        "MultiHeadAttention; `floor`: the four projections alone.",
+        "MultiHeadAttention; `floor`: the four projections alone; "
+        "`*_compiled` (PyTorch): the same under `torch.compile`. "
+        "MultiHeadAttention is timed after the other kinds at each length.",
         "",
     ]
     for causal in (True, False):
         for mode in ("forward", "forward+backward"):
             kinds = [
                 k
-                for k in TIME_KINDS
+                for k in TIME_KINDS + COMPILED_KINDS
                 if any(
                     r["layer"] == k
                     and r["causal"] == causal
@@ -723,6 +797,10 @@ def markdown(results):
                 )
             lines.append("")
     lines.append(f"Crossover length (causal forward): {crossover(rows)[1]}")
+    if any(row["layer"] in COMPILED_KINDS for row in rows):
+        lines.append(
+            f"; under `torch.compile`: {crossover(rows, COMPILED_SUFFIX)[1]}"
+        )
     lines.append("")
     if results["memory"]:
         lines.append(
@@ -817,6 +895,8 @@ def plot(results, path):
         ("grouped", "v-"),
         ("mha", "^-"),
         ("floor", "k--"),
+        ("auto_compiled", "o--"),
+        ("mha_compiled", "^--"),
     ):
         points = sorted(
             (r["length"], r["ms"])

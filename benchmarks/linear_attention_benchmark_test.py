@@ -34,18 +34,32 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
         with open(os.path.join(out, name + ".json")) as file:
             results = json.load(file)
         layers = {row["layer"] for row in results["times"]}
-        self.assertEqual(
-            layers,
-            {
-                "auto",
-                "parallel",
-                "recurrent",
-                "favor_plus",
-                "grouped",
-                "mha",
-                "floor",
-            },
-        )
+        expected = {
+            "auto",
+            "parallel",
+            "recurrent",
+            "favor_plus",
+            "grouped",
+            "mha",
+            "floor",
+        }
+        if name == "torch":
+            # The compared kinds again under `torch.compile`, causal only,
+            # and a second targets column.
+            compiled = {"auto_compiled", "mha_compiled", "floor_compiled"}
+            expected |= compiled
+            self.assertEqual(
+                {
+                    (row["causal"], row["mode"])
+                    for row in results["times"]
+                    if row["layer"] in compiled
+                },
+                {(True, "forward"), (True, "forward+backward")},
+            )
+            self.assertIn(
+                "| torch (torch.compile) | torch (eager) |", result.stdout
+            )
+        self.assertEqual(layers, expected)
         self.assertTrue(all(row["ms"] > 0 for row in results["times"]))
         # The variants run causal and non-causal, forward and backward.
         for layer in ("favor_plus", "grouped"):
