@@ -796,11 +796,12 @@ def markdown(results):
                     f"| {length} | " + " | ".join(cells) + f" | {ratio} |"
                 )
             lines.append("")
-    lines.append(f"Crossover length (causal forward): {crossover(rows)[1]}")
+    text = f"Crossover length (causal forward): {crossover(rows)[1]}"
     if any(row["layer"] in COMPILED_KINDS for row in rows):
-        lines.append(
+        text += (
             f"; under `torch.compile`: {crossover(rows, COMPILED_SUFFIX)[1]}"
         )
+    lines.append(text)
     lines.append("")
     if results["memory"]:
         lines.append(
