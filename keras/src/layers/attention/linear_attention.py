@@ -798,9 +798,10 @@ class LinearAttention(Layer):
         # exclusive prefix sum over chunks (never over time steps).
         if backend.backend() == "torch":
             # All chunks at once: upstream's PyTorch `scan` is a Python loop
-            # over steps, slow to differentiate (4 s for forward+backward at
-            # 16k steps, against 1.6 s with this). `cumsum` over [initial
-            # state, summaries but the last] adds in the loop's order.
+            # (here one iteration per chunk), slow to differentiate (4 s for
+            # forward+backward of 16k steps, against 1.6 s with this).
+            # `cumsum` over [initial state, summaries but the last] adds in
+            # the loop's order.
             # `torch.cumsum`, because upstream's `ops.cumsum` on PyTorch
             # (Keras 3.15) returns float32 for float64 inputs.
             import torch
