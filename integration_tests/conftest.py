@@ -15,8 +15,6 @@ import keras
 
 TRAIN_SAMPLES = 1024
 EVAL_SAMPLES = 256
-BATCH_SIZE = 32
-EPOCHS = 8
 SEED = 1
 
 
@@ -49,18 +47,10 @@ def trained_lm():
         return_dict=True,
     )
     initial_eval = evaluate()
-    history = model.fit(
-        x,
-        y,
-        sample_weight=w,
-        batch_size=BATCH_SIZE,
-        epochs=EPOCHS,
-        shuffle=True,
-        verbose=0,
-    )
+    history = lm_task.fit_lm(model, x, y, w)
     return TrainedLM(
         model=model,
-        history=history.history,
+        history=history,
         initial_eval=initial_eval,
         final_eval=evaluate(),
         x_eval=x_eval,

@@ -50,11 +50,7 @@ BACKENDS = ("tensorflow", "jax", "torch")
 
 TRAIN_SAMPLES = 512
 EVAL_SAMPLES = 256
-BATCH_SIZE = 32
-# Observed on all three backends and five seeds: answer accuracy 0.997 to
-# 1.0 after 8 epochs for both configurations (at 4 epochs, Hedgehog is
-# still at 0.6 to 0.9).
-EPOCHS = 8
+BATCH_SIZE = lm_task.BATCH_SIZE
 SEED = 1
 # An answer's cross-entropy: ln(VOCAB_SIZE) = 3.5 untrained, ln(NUM_VALUES)
 # = 1.4 for a model that only learned which tokens are answers, near 0 for
@@ -123,19 +119,11 @@ def _train(name):
     lm_task.compile_lm(model)
     initial_predictions = np.asarray(model.predict(x_eval, verbose=0))
     initial_extension_weights = extensions_worker.extension_weights(model)
-    history = model.fit(
-        x,
-        y,
-        sample_weight=w,
-        batch_size=BATCH_SIZE,
-        epochs=EPOCHS,
-        shuffle=True,
-        verbose=0,
-    )
+    history = lm_task.fit_lm(model, x, y, w)
     return TrainedLM(
         name=name,
         model=model,
-        history=history.history,
+        history=history,
         initial_predictions=initial_predictions,
         predictions=np.asarray(model.predict(x_eval, verbose=0)),
         initial_extension_weights=initial_extension_weights,

@@ -41,6 +41,13 @@ LEARNING_RATE = 3e-3
 assert ANSWER_0 + NUM_VALUES <= BOS
 
 
+# Training (`fit_lm`). Observed on all three backends: answer accuracy
+# 0.997 to 1.0 after 8 epochs for every attention configuration the
+# integration tests train (at 4 epochs, Hedgehog is still at 0.6 to 0.9).
+BATCH_SIZE = 32
+EPOCHS = 8
+
+
 def associative_recall_data(num_samples, seed):
     """Returns `(x, y, sample_weight)`, each of shape `(num_samples, 16)`.
 
@@ -88,6 +95,23 @@ def build_lm(attention_kwargs=None, attention_dtypes=None):
     layers = _make_layers(attention_kwargs or {}, attention_dtypes or {})
     logits, _ = _forward(layers, tokens, states=None)
     return keras.Model(tokens, logits, name="linear_attention_lm")
+
+
+def fit_lm(model, x, y, sample_weight):
+    """Trains for the task: `EPOCHS` shuffled epochs of `BATCH_SIZE`.
+
+    Returns the history dictionary.
+    """
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=BATCH_SIZE,
+        epochs=EPOCHS,
+        shuffle=True,
+        verbose=0,
+    )
+    return history.history
 
 
 def compile_lm(model, learning_rate=LEARNING_RATE):

@@ -796,36 +796,9 @@ class LinearAttention(Layer):
         # Across chunks: the state entering each chunk is the initial state
         # plus the summaries (`key^T value`) of all earlier chunks, an
         # exclusive prefix sum over chunks (never over time steps).
-        if backend.backend() == "torch":
-            # All chunks at once: upstream's PyTorch `scan` is a Python loop
-            # (here one iteration per chunk), slow to differentiate (4 s for
-            # forward+backward of 16k steps, against 1.6 s with this).
-            # `cumsum` over [initial state, summaries but the last] adds in
-            # the loop's order.
-            # `torch.cumsum`, because upstream's `ops.cumsum` on PyTorch
-            # (Keras 3.15) returns float32 for float64 inputs.
-            import torch
-
-            summaries = ops.einsum("bkncd,bknce->bknde", key, value)
-            entering = torch.cumsum(
-                ops.concatenate([state[:, :, None], summaries[:, :, :-1]], 2),
-                dim=2,
-            )
-            state = entering[:, :, -1] + summaries[:, :, -1]
-            outputs = outputs + ops.einsum(
-                "bkncd,bknde->bknce", query, entering
-            )
-        else:
-            # On XLA (JAX, TensorFlow) a scan over chunks is much faster
-            # than `cumsum`.
-            def accumulate(total, summary):
-                return (total[0] + summary[0],), total[0]
-
-            summaries = ops.einsum("bkncd,bknce->nbkde", key, value)
-            (state,), entering = _scan(accumulate, (state,), (summaries,))
-            outputs = outputs + ops.einsum(
-                "bkncd,nbkde->bknce", query, entering
-            )
+        summaries = ops.einsum("bkncd,bknce->nbkde", key, value)
+        state, entering = _exclusive_prefix_sum(state, summaries)
+        outputs = outputs + ops.einsum("bkncd,nbkde->bknce", query, entering)
         if self.use_normalizer:
             outputs = self._readout(outputs[..., :-1], outputs[..., -1])
             state = (state[..., :-1], state[..., -1])
@@ -1100,6 +1073,34 @@ def _orthogonal_random_features(key_dim, num_features, seed):
         generator.standard_normal((num_features, key_dim)), axis=1
     )
     return directions * norms
+
+
+def _exclusive_prefix_sum(initial, summaries):
+    """`(initial + summaries.sum(0), [initial + summaries[:i].sum(0)])`.
+
+    The state entering each chunk (`summaries` along the first axis), and
+    the state after the last.
+    """
+    if backend.backend() == "torch":
+        # All chunks at once: upstream's PyTorch `scan` is a Python loop
+        # (here one iteration per chunk), slow to differentiate (4 s for
+        # forward+backward of 16k steps, against 1.6 s with this). `cumsum`
+        # over [initial, summaries but the last] adds in the loop's order;
+        # `torch.cumsum`, because upstream's `ops.cumsum` on PyTorch (Keras
+        # 3.15) returns float32 for float64 inputs.
+        import torch
+
+        entering = torch.cumsum(
+            ops.concatenate([initial[None], summaries[:-1]], axis=0), dim=0
+        )
+        return entering[-1] + summaries[-1], entering
+
+    # On XLA (JAX, TensorFlow) a scan is much faster than `cumsum`.
+    def accumulate(total, summary):
+        return (total[0] + summary[0],), total[0]
+
+    (total,), entering = _scan(accumulate, (initial,), (summaries,))
+    return total, entering
 
 
 def _scan(step, initial_state, sequences):
