@@ -558,6 +558,34 @@ class LinearAttentionTest(testing.TestCase):
             for actual, reference in zip(state, expected_state):
                 _assert_close(actual, reference, FLOAT32_RTOL, mode)
 
+    def test_long_sequence_matches_reference(self):
+        # 19 chunks of 64 steps, the last one partial: more than one block
+        # of the prefix sum over chunks (16 chunks per block), the last
+        # block partial too. float64, so that any misplaced chunk or block
+        # shows far above rounding.
+        length = 18 * 64 + 5
+        with _float64_enabled():
+            layer = _built_layer(
+                causal=True, execution_mode="parallel", dtype="float64"
+            )
+            x = _inputs((2, length, INPUT_DIM), dtype="float64")
+            mask = np.ones((2, length), bool)
+            mask[0, 1000:1100] = mask[1, 5:9] = False
+            rng = np.random.RandomState(3)
+            initial_state = (
+                rng.uniform(size=(2, NUM_HEADS, KEY_DIM, VALUE_DIM)),
+                rng.uniform(1, 2, size=(2, NUM_HEADS, KEY_DIM)),
+            )
+            expected, expected_state = _np_reference(
+                layer, x, mask, initial_state=initial_state
+            )
+            y, state = layer(
+                x, mask=mask, initial_state=initial_state, return_state=True
+            )
+            _assert_close(y, expected, FLOAT64_RTOL)
+            for actual, reference in zip(state, expected_state):
+                _assert_close(actual, reference, FLOAT64_RTOL)
+
     def test_custom_feature_map_matches_reference(self):
         layer = _built_layer(causal=True, feature_map=squared_relu_plus_one)
         x = _inputs()
