@@ -62,6 +62,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -551,7 +552,14 @@ def measure_memory(lengths, log):
                     for line in result.stderr.splitlines()
                     if "Error" in line or "Killed" in line
                 ]
-                row["note"] = "failed: " + (errors or ["?"])[-1][:200]
+                # E.g. TensorFlow's MultiHeadAttention at 8k: a crash
+                # (SIGSEGV) when an allocation fails under the limit.
+                status = result.returncode
+                if status < 0:
+                    status = f"killed by {signal.Signals(-status).name}"
+                else:
+                    status = f"exit status {status}"
+                row["note"] = "failed: " + (errors or [status])[-1][:200]
             rows.append(row)
             log(
                 f"  memory {kind:5} T={length:<6} "

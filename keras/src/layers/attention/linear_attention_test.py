@@ -1243,8 +1243,8 @@ class LinearAttentionTest(testing.TestCase):
                 _assert_close(
                     function(x[:, :length])[0], expected, FLOAT32_RTOL
                 )
-            # Gradients under XLA, through both scans (time steps and
-            # chunks), against eager gradients.
+            # Gradients under XLA, through the scan over time steps and
+            # the prefix over chunks, against eager gradients.
             upstream = _inputs(seed=5)
             for mode in ("recurrent", "parallel"):
                 layer.execution_mode = mode
