@@ -33,12 +33,13 @@ PyTorch is given twice: with those (as XLA compiles everything on the other
 backends) and eager; memory and decode are eager in both.
 
 Allocator: the timings run with glibc's malloc keeping freed memory for
-reuse (`MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` at 4 GiB; the
-script restarts itself with them unless `--system-malloc`), the effect of
-the caching allocators (jemalloc, tcmalloc) that PyTorch's CPU performance
-guide recommends. By default glibc maps every block above 32 MB afresh and
-returns it on free, so that each call pays page faults on its large
-tensors: on PyTorch at T=16k this made LinearAttention 1.9x and
+reuse (`MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` at 4 GiB,
+which glibc 2.36 here honours: a freed 200 MB block is reused without page
+faults; the script restarts itself with them unless `--system-malloc`), the
+effect of the caching allocators (jemalloc, tcmalloc) that PyTorch's CPU
+performance guide recommends. By default glibc maps every block above 32 MB
+afresh and returns it on free, so that each call pays page faults on its
+large tensors: on PyTorch at T=16k this made LinearAttention 1.9x and
 MultiHeadAttention 1.1x slower. The setting applies to every kind and
 backend alike; memory points set their own (see `measure_memory`).
 
@@ -533,7 +534,11 @@ def measure_memory(lengths, log):
             ]
             # Large blocks go back to the system when freed, so that the
             # warm-up step does not leave a heap the measured step reuses.
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            env = {
+                **os.environ,
+                "MALLOC_MMAP_THRESHOLD_": "65536",
+                "MALLOC_TRIM_THRESHOLD_": "131072",  # glibc's default
+            }
             result = subprocess.run(
                 command, capture_output=True, text=True, env=env
             )
@@ -554,11 +559,13 @@ def measure_memory(lengths, log):
                 ]
                 # E.g. TensorFlow's MultiHeadAttention at 8k: a crash
                 # (SIGSEGV) when an allocation fails under the limit.
-                status = result.returncode
-                if status < 0:
-                    status = f"killed by {signal.Signals(-status).name}"
-                else:
-                    status = f"exit status {status}"
+                status = f"exit status {result.returncode}"
+                if result.returncode < 0:
+                    try:
+                        name = signal.Signals(-result.returncode).name
+                    except ValueError:
+                        name = f"signal {-result.returncode}"
+                    status = f"killed by {name}"
                 row["note"] = "failed: " + (errors or [status])[-1][:200]
             rows.append(row)
             log(
@@ -566,6 +573,15 @@ def measure_memory(lengths, log):
                 f"{row['peak_mb'] if row['peak_mb'] is not None else row}"
             )
     return rows
+
+
+def _malloc_setting():
+    """`"caching (...)"` or `"system"`, from this process's environment."""
+    settings = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    text = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+    if all(settings.get(k) == v for k, v in CACHING_MALLOC.items()):
+        return f"caching ({text})"
+    return f"system ({text})" if text else "system"
 
 
 def _resident_mb():
@@ -1025,11 +1041,7 @@ def run(args):
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"{platform.python_implementation()} {platform.python_version()}",
-        "malloc": "system"
-        if args.system_malloc
-        else "caching ("
-        + ", ".join(f"{k}={v}" for k, v in CACHING_MALLOC.items())
-        + ")",
+        "malloc": _malloc_setting(),
         "versions": versions(),
         "shapes": {
             "batch": 1,
@@ -1160,9 +1172,10 @@ def main():
         or all(os.environ.get(k) == v for k, v in CACHING_MALLOC.items())
     ):
         # malloc reads these once, at start-up: start again with them.
+        # `orig_argv` keeps the interpreter's own options.
         os.execve(
             sys.executable,
-            [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+            [sys.executable, *sys.orig_argv[1:]],
             {**os.environ, **CACHING_MALLOC},
         )
     limit = int(args.memory_limit_gb * (1 << 30))

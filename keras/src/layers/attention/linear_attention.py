@@ -1093,8 +1093,15 @@ def _exclusive_prefix_sum(initial, summaries):
     The alternatives were slower somewhere: a scan over chunks (upstream's
     PyTorch `scan` is a Python loop, and TensorFlow's differentiated
     `while_loop` made forward+backward at 16k steps 1.9x slower than this),
-    and `cumsum` over all chunks (10x slower than this on PyTorch at 16k
-    steps, slower than the scan on TensorFlow).
+    and `cumsum` over all chunks (on PyTorch 10x slower than this for the
+    prefix alone at 16k steps, slower than the scan on TensorFlow).
+
+    Like the masked products inside a chunk, the product with zeros and
+    ones is not causal for non-finite values: an inf or nan summary (from
+    inf or nan inputs at unmasked steps) also makes the outputs of earlier
+    chunks of its block non-finite, where the recurrent form keeps them
+    finite. Masked steps never reach it: their keys and values are zeroed
+    with `where` before.
     """
     shape = ops.shape(summaries)
     rows = shape[0] * shape[1]

@@ -47,6 +47,9 @@ FINITE_DIFFERENCE_RTOL = 1e-6
 MIXED_RTOL = {"float16": 5e-3, "bfloat16": 4e-2}
 
 BATCH, LENGTH, INPUT_DIM = 2, 70, 8
+# Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
+# second one partial, and a partial last chunk.
+LONG_LENGTH = 18 * 64 + 5
 NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
 
 # The feature maps and head layouts added after v1. Every v1 guarantee is
@@ -558,24 +561,34 @@ class LinearAttentionTest(testing.TestCase):
             for actual, reference in zip(state, expected_state):
                 _assert_close(actual, reference, FLOAT32_RTOL, mode)
 
-    def test_long_sequence_matches_reference(self):
-        # 19 chunks of 64 steps, the last one partial: more than one block
-        # of the prefix sum over chunks (16 chunks per block), the last
-        # block partial too. float64, so that any misplaced chunk or block
-        # shows far above rounding.
-        length = 18 * 64 + 5
+    @parameterized.named_parameters(
+        ("default", None, True),
+        ("grouped", "grouped", True),
+        ("no_normalizer", None, False),
+    )
+    def test_long_sequence_matches_reference(self, extension, normalizer):
+        # 19 chunks of 64 steps, the last one partial: a full block of the
+        # prefix sum over chunks (16 chunks per block) and a partial one.
+        # float64, so that any misplaced chunk or block shows far above
+        # rounding.
+        length = LONG_LENGTH
         with _float64_enabled():
             layer = _built_layer(
-                causal=True, execution_mode="parallel", dtype="float64"
+                causal=True,
+                execution_mode="parallel",
+                dtype="float64",
+                extension=extension,
+                use_normalizer=normalizer,
             )
             x = _inputs((2, length, INPUT_DIM), dtype="float64")
             mask = np.ones((2, length), bool)
             mask[0, 1000:1100] = mask[1, 5:9] = False
             rng = np.random.RandomState(3)
+            heads = layer.num_key_value_heads
             initial_state = (
-                rng.uniform(size=(2, NUM_HEADS, KEY_DIM, VALUE_DIM)),
-                rng.uniform(1, 2, size=(2, NUM_HEADS, KEY_DIM)),
-            )
+                rng.uniform(size=(2, heads, KEY_DIM, VALUE_DIM)),
+                rng.uniform(1, 2, size=(2, heads, KEY_DIM)),
+            )[: 2 if normalizer else 1]
             expected, expected_state = _np_reference(
                 layer, x, mask, initial_state=initial_state
             )
@@ -1238,11 +1251,10 @@ class LinearAttentionTest(testing.TestCase):
                 jit_compile=True,
                 input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
             )
-            for length in (LENGTH, 9):
-                expected, _ = _np_reference(layer, x[:, :length])
-                _assert_close(
-                    function(x[:, :length])[0], expected, FLOAT32_RTOL
-                )
+            long_x = _inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
+            for inputs in (x, x[:, :9], long_x):
+                expected, _ = _np_reference(layer, inputs)
+                _assert_close(function(inputs)[0], expected, FLOAT32_RTOL)
             # Gradients under XLA, through the scan over time steps and
             # the prefix over chunks, against eager gradients.
             upstream = _inputs(seed=5)
