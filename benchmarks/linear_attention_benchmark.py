@@ -575,11 +575,16 @@ def measure_memory(lengths, log):
     return rows
 
 
+def _caching_malloc():
+    """Whether this process runs with `CACHING_MALLOC`."""
+    return all(os.environ.get(k) == v for k, v in CACHING_MALLOC.items())
+
+
 def _malloc_setting():
     """`"caching (...)"` or `"system"`, from this process's environment."""
     settings = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     text = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
-    if all(settings.get(k) == v for k, v in CACHING_MALLOC.items()):
+    if _caching_malloc():
         return f"caching ({text})"
     return f"system ({text})" if text else "system"
 
@@ -1169,7 +1174,7 @@ def main():
         args.system_malloc
         or args.summary
         or args.memory_point
-        or all(os.environ.get(k) == v for k, v in CACHING_MALLOC.items())
+        or _caching_malloc()
     ):
         # malloc reads these once, at start-up: start again with them.
         # `orig_argv` keeps the interpreter's own options.

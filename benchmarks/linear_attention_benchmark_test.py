@@ -33,6 +33,8 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             self.assertTrue(os.path.exists(os.path.join(out, name + suffix)))
         with open(os.path.join(out, name + ".json")) as file:
             results = json.load(file)
+        # The script restarted itself with the caching malloc settings.
+        self.assertTrue(results["malloc"].startswith("caching ("))
         layers = {row["layer"] for row in results["times"]}
         expected = {
             "auto",

@@ -571,7 +571,6 @@ class LinearAttentionTest(testing.TestCase):
         # prefix sum over chunks (16 chunks per block) and a partial one.
         # float64, so that any misplaced chunk or block shows far above
         # rounding.
-        length = LONG_LENGTH
         with _float64_enabled():
             layer = _built_layer(
                 causal=True,
@@ -580,8 +579,8 @@ class LinearAttentionTest(testing.TestCase):
                 extension=extension,
                 use_normalizer=normalizer,
             )
-            x = _inputs((2, length, INPUT_DIM), dtype="float64")
-            mask = np.ones((2, length), bool)
+            x = _inputs((2, LONG_LENGTH, INPUT_DIM), dtype="float64")
+            mask = np.ones((2, LONG_LENGTH), bool)
             mask[0, 1000:1100] = mask[1, 5:9] = False
             rng = np.random.RandomState(3)
             heads = layer.num_key_value_heads
