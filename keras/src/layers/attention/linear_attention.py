@@ -1121,8 +1121,8 @@ def _exclusive_prefix_sum(initial, summaries):
     # The blocks as one batch axis, with the matrix of ones broadcast along
     # it: PyTorch's `einsum` then runs one batched product, where
     # "ij,rbjf->rbif" copied the summaries to and from a block-major layout
-    # (the layer 2-6% faster on PyTorch and TensorFlow at 4096 steps; on
-    # JAX faster at 4096 steps, 3% slower at 16384).
+    # (in paired runs the layer 4-6% faster on PyTorch and TensorFlow at
+    # 4096 steps, 2-3% at 16384; on JAX 3-4% slower at 16384).
     # `einsum`, not `matmul`: upstream's PyTorch `matmul` (Keras 3.15)
     # returns float32 for float64 inputs.
     blocks = ops.reshape(summaries, (-1, block, features))
