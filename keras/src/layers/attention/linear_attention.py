@@ -766,13 +766,7 @@ class LinearAttention(Layer):
             every product below is then a batched matrix product over this
             leading axis.
             """
-            if not isinstance(padding, int) or padding:
-                # Not `ops.pad`: it names a new `Operation` on every call,
-                # a global counter that `torch.compile` guards on, so that
-                # each call compiles again.
-                _, _, heads, features = ops.shape(x)
-                zeros = ops.zeros((batch, padding, heads, features), x.dtype)
-                x = ops.concatenate([x, zeros], axis=1)
+            x = _append_zeros(x, padding)
             features = ops.shape(x)[-1]
             x = ops.reshape(
                 x,
@@ -1114,9 +1108,7 @@ def _exclusive_prefix_sum(initial, summaries):
     if isinstance(chunks, int):
         block = min(block, chunks)
     padding = (-chunks) % block
-    if not isinstance(padding, int) or padding:
-        zeros = ops.zeros((rows, padding, features), summaries.dtype)
-        summaries = ops.concatenate([summaries, zeros], axis=1)
+    summaries = _append_zeros(summaries, padding)
     summaries = ops.reshape(summaries, (rows, -1, block, features))
     # The blocks as one batch axis, with the matrix of ones broadcast along
     # it: PyTorch's `einsum` then runs one batched product, where
@@ -1153,6 +1145,20 @@ def _exclusive_prefix_sum(initial, summaries):
         ops.reshape(totals[:, -1], ops.shape(initial)),
         ops.reshape(entering, shape),
     )
+
+
+def _append_zeros(x, count):
+    """`x` with `count` zero entries appended along axis 1.
+
+    `count` is a tensor when the length is unknown while tracing. Not
+    `ops.pad`: it names a new `Operation` on every call, a global counter
+    that `torch.compile` guards on, so that each call compiles again.
+    """
+    if isinstance(count, int) and not count:
+        return x
+    shape = ops.shape(x)
+    zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
+    return ops.concatenate([x, zeros], axis=1)
 
 
 def _scan(step, initial_state, sequences):
