@@ -12,7 +12,6 @@ from keras.src.api_export import keras_export
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
-from keras.src.saving import object_registration
 from keras.src.saving import serialization_lib
 
 _FEATURE_MAPS = ("elu_plus_one", "relu", "favor_plus", "hedgehog")
@@ -180,7 +179,9 @@ class LinearAttention(Layer):
             the output.
         initial_state: Causal layers only. Optional state to start from, as
             returned by `get_initial_state()` or by a previous call with
-            `return_state=True`. Defaults to zeros.
+            `return_state=True`. Defaults to zeros. It is used in the
+            accumulator dtype, never rounded to a mixed-precision compute
+            dtype first.
         return_state: Causal layers only. Boolean, whether to return the
             state after the last time step along with the outputs.
             Defaults to `False`.
@@ -286,6 +287,8 @@ class LinearAttention(Layer):
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.supports_masking = True
+        # `__call__` converts the arguments itself (see there).
+        self._convert_input_args = False
         self.num_heads = _positive_int("num_heads", num_heads)
         self.num_key_value_heads = (
             self.num_heads
@@ -612,6 +615,37 @@ class LinearAttention(Layer):
             return ops.relu(x) + self.normalization_epsilon
         return self.feature_map(x)
 
+    def __call__(self, *args, **kwargs):
+        # `Layer.__call__` would cast every floating argument to the compute
+        # dtype: under mixed precision, a float32 state carried from the
+        # last call would reach `call` rounded to float16 or bfloat16 (and a
+        # float16 key sum, which grows with every token, would overflow on
+        # long streams). So the arguments are converted here as it would,
+        # except `initial_state`, which is only made tensors: `call` casts
+        # it to the accumulator dtype.
+        arguments = self._call_signature.bind(*args, **kwargs).arguments
+        inputs_name = next(iter(self._call_signature.parameters))
+        initial_state = arguments.pop("initial_state", None)
+
+        def convert(x):
+            mask = backend.get_keras_mask(x)
+            x = self.dtype_policy.convert_input(
+                x, self.autocast, self.input_dtype
+            )
+            if mask is not None:
+                backend.set_keras_mask(x, mask)
+            return x
+
+        arguments = tree.map_structure(convert, arguments)
+        if initial_state is not None:
+            arguments["initial_state"] = tree.map_structure(
+                lambda x: self.dtype_policy.convert_input(
+                    x, False, self.input_dtype
+                ),
+                initial_state,
+            )
+        return super().__call__(arguments.pop(inputs_name), **arguments)
+
     def call(
         self,
         inputs,
@@ -658,7 +692,15 @@ class LinearAttention(Layer):
                 initial_state = self.get_initial_state(ops.shape(inputs)[0])
             else:
                 initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
-            if self._use_recurrent(inputs):
+            if inputs.shape[1] == 0:
+                # An empty sequence (such as an empty piece of a stream):
+                # nothing to attend to, and the state passes through.
+                outputs = ops.zeros(
+                    (ops.shape(inputs)[0], 0, self.num_heads, self.value_dim),
+                    dtype,
+                )
+                state = initial_state
+            elif self._use_recurrent(inputs):
                 outputs, state = self._recurrent(
                     query, key, value, initial_state
                 )
@@ -927,9 +969,8 @@ class LinearAttention(Layer):
     def get_config(self):
         feature_map = self.feature_map
         if not isinstance(feature_map, str):
-            if (
-                feature_map not in object_registration.GLOBAL_CUSTOM_NAMES
-                and not isinstance(feature_map, Layer)
+            if not (
+                isinstance(feature_map, Layer) or _loads_as_itself(feature_map)
             ):
                 raise ValueError(
                     "Cannot serialize `LinearAttention` with an unregistered "
@@ -978,6 +1019,20 @@ class LinearAttention(Layer):
         return super().from_config(config)
 
 
+def _loads_as_itself(function):
+    """Whether a `feature_map` function saves and loads as itself.
+
+    True for registered functions and for Keras's own (such as
+    `keras.activations.softplus`, saved by name); false for others, which
+    could be saved but not loaded.
+    """
+    try:
+        config = serialization_lib.serialize_keras_object(function)
+        return serialization_lib.deserialize_keras_object(config) is function
+    except Exception:
+        return False
+
+
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(
@@ -1010,7 +1065,10 @@ def _check_input_shape(shape):
 
 
 def _standardize_mask(mask, inputs):
-    """Returns `mask` as a boolean `(batch, time)` tensor, or `None`."""
+    """Returns `mask` as a boolean `(batch, time)` tensor, or `None`.
+
+    For symbolic inputs or masks (`KerasTensor`s) it only checks the shape.
+    """
     if mask is None:
         return None
     if not hasattr(mask, "shape"):
@@ -1029,7 +1087,9 @@ def _standardize_mask(mask, inputs):
             f"`LinearAttention`. Received: mask with shape {shape} for "
             f"inputs with shape {tuple(inputs.shape)}"
         )
-    if isinstance(mask, backend.KerasTensor):
+    if isinstance(mask, backend.KerasTensor) or isinstance(
+        inputs, backend.KerasTensor
+    ):
         return mask
     if backend.standardize_dtype(mask.dtype) != "bool":
         mask = ops.not_equal(mask, 0)

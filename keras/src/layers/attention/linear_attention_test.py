@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from keras.src import activations
 from keras.src import backend
 from keras.src import constraints
 from keras.src import layers
@@ -808,6 +809,13 @@ class LinearAttentionTest(testing.TestCase):
                 layer(x, mask=np.ones((BATCH, LENGTH), bool)), layer(x)
             )
 
+    def test_concrete_mask_on_symbolic_inputs(self):
+        layer = _layer(causal=True)
+        outputs = layer(
+            layers.Input((None, INPUT_DIM)), mask=np.ones((1, 7), bool)
+        )
+        self.assertEqual(outputs.shape, (None, None, INPUT_DIM))
+
     @parameterized.named_parameters([("v1", None)] + EXTENSION_PARAMETERS)
     def test_padding_does_not_leak(self, extension):
         # Sequences of different lengths, padded in one batch (right padding
@@ -905,6 +913,25 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual(tuple(scalar_batch[0].shape), (4, 2, 3, 5))
         with self.assertRaisesRegex(ValueError, "only available for causal"):
             _layer().get_initial_state(2)
+
+    def test_empty_sequence(self):
+        x = _inputs((BATCH, 0, INPUT_DIM))
+        self.assertEqual(tuple(_layer()(x).shape), (BATCH, 0, INPUT_DIM))
+        for mode in ("auto", "parallel", "recurrent"):
+            layer = _layer(causal=True, execution_mode=mode)
+            start = tuple(
+                _inputs(tuple(s.shape), seed=3)
+                for s in layer.get_initial_state(BATCH)
+            )
+            y, state = layer(
+                x,
+                mask=np.ones((BATCH, 0), bool),
+                initial_state=start,
+                return_state=True,
+            )
+            self.assertEqual(tuple(y.shape), (BATCH, 0, INPUT_DIM))
+            for actual, expected in zip(state, start):
+                self.assertAllEqual(actual, expected)
 
     @parameterized.named_parameters(
         ("bare_tensor", lambda s: s[0], "tuple of 2"),
@@ -1055,6 +1082,15 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, INPUT_DIM))
         with self.assertRaisesRegex(ValueError, "register_keras_serializable"):
             layer.get_config()
+        # `ops.softplus` would be saved by its name and load as
+        # `activations.softplus`, another function.
+        with self.assertRaisesRegex(ValueError, "register_keras_serializable"):
+            _layer(feature_map=ops.softplus).get_config()
+
+    def test_keras_function_as_feature_map(self):
+        layer = _layer(feature_map=activations.softplus)
+        revived = LinearAttention.from_config(layer.get_config())
+        self.assertIs(revived.feature_map, activations.softplus)
 
     # Dropout.
 
@@ -1108,6 +1144,35 @@ class LinearAttentionTest(testing.TestCase):
                 )
                 self.assertEqual(spec[0].dtype, dtype)
                 self.assertEqual([s.dtype for s in spec[1]], ["float32"] * 2)
+
+    @parameterized.named_parameters(
+        ("float16", "float16"), ("bfloat16", "bfloat16")
+    )
+    def test_mixed_precision_carried_state_is_not_rounded(self, dtype):
+        # The state is a sum over steps, so a run started from `start`
+        # returns `start` plus what a run started from zeros returns. Values
+        # near 1000 with fractions that float16 (spacing 0.5) and bfloat16
+        # (spacing 8) cannot hold: rounding the carried state to the compute
+        # dtype anywhere is off by far more than float32 rounding.
+        layer = _built_layer(causal=True, dtype=f"mixed_{dtype}")
+        zeros = layer.get_initial_state(BATCH)
+        start = tuple(
+            (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
+            for s in zeros
+        )
+        for length in (1, LENGTH):  # the recurrent and the parallel path
+            x = _inputs((BATCH, length, INPUT_DIM))
+            _, from_zeros = layer(x, initial_state=zeros, return_state=True)
+            _, from_start = layer(x, initial_state=start, return_state=True)
+            for actual, base, expected in zip(from_start, from_zeros, start):
+                self.assertDType(actual, "float32")
+                actual = backend.convert_to_numpy(actual)
+                _assert_close(
+                    actual - backend.convert_to_numpy(base),
+                    expected,
+                    FLOAT32_RTOL,
+                    f"length {length}",
+                )
 
     def test_float64_preserved(self):
         with _float64_enabled():
