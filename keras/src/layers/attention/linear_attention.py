@@ -9,6 +9,7 @@ from keras.src import ops
 from keras.src import regularizers
 from keras.src import tree
 from keras.src.api_export import keras_export
+from keras.src.backend.common.keras_tensor import any_symbolic_tensors
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
@@ -287,8 +288,6 @@ class LinearAttention(Layer):
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.supports_masking = True
-        # `__call__` converts the arguments itself (see there).
-        self._convert_input_args = False
         self.num_heads = _positive_int("num_heads", num_heads)
         self.num_key_value_heads = (
             self.num_heads
@@ -616,16 +615,29 @@ class LinearAttention(Layer):
         return self.feature_map(x)
 
     def __call__(self, *args, **kwargs):
-        # `Layer.__call__` would cast every floating argument to the compute
+        # `Layer.__call__` casts every floating argument to the compute
         # dtype: under mixed precision, a float32 state carried from the
         # last call would reach `call` rounded to float16 or bfloat16 (and a
         # float16 key sum, which grows with every token, would overflow on
-        # long streams). So the arguments are converted here as it would,
-        # except `initial_state`, which is only made tensors: `call` casts
-        # it to the accumulator dtype.
-        arguments = self._call_signature.bind(*args, **kwargs).arguments
-        inputs_name = next(iter(self._call_signature.parameters))
-        initial_state = arguments.pop("initial_state", None)
+        # long streams). For such calls on tensors with an `initial_state`,
+        # the other arguments are converted here as it would, the state is
+        # only made tensors (`call` casts it to the accumulator dtype), and
+        # its conversion is switched off for the call (as upstream's
+        # `DataLayer` does). Symbolic calls go through unchanged: their
+        # graph node must record the arguments as given.
+        if (
+            not self._convert_input_args
+            or backend.standardize_dtype(self.input_dtype)
+            == self.accumulator_dtype
+        ):
+            return super().__call__(*args, **kwargs)
+        try:
+            arguments = self._call_signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            arguments = {}  # `Layer.__call__` reports it as usual.
+        initial_state = arguments.get("initial_state")
+        if initial_state is None or any_symbolic_tensors(args, kwargs):
+            return super().__call__(*args, **kwargs)
 
         def convert(x):
             mask = backend.get_keras_mask(x)
@@ -636,15 +648,30 @@ class LinearAttention(Layer):
                 backend.set_keras_mask(x, mask)
             return x
 
-        arguments = tree.map_structure(convert, arguments)
-        if initial_state is not None:
-            arguments["initial_state"] = tree.map_structure(
-                lambda x: self.dtype_policy.convert_input(
-                    x, False, self.input_dtype
-                ),
-                initial_state,
+        initial_state = tree.map_structure(
+            lambda x: self.dtype_policy.convert_input(
+                x, False, self.input_dtype
+            ),
+            initial_state,
+        )
+        if "initial_state" in kwargs:
+            kwargs = {**kwargs, "initial_state": None}
+            args, kwargs = tree.map_structure(convert, (args, kwargs))
+            kwargs["initial_state"] = initial_state
+        else:
+            position = list(self._call_signature.parameters).index(
+                "initial_state"
             )
-        return super().__call__(arguments.pop(inputs_name), **arguments)
+            args = list(args)
+            args[position] = None
+            args = list(tree.map_structure(convert, args))
+            args[position] = initial_state
+            kwargs = tree.map_structure(convert, kwargs)
+        self._convert_input_args = False
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._convert_input_args = True
 
     def call(
         self,

@@ -1164,6 +1164,12 @@ class LinearAttentionTest(testing.TestCase):
             x = _inputs((BATCH, length, INPUT_DIM))
             _, from_zeros = layer(x, initial_state=zeros, return_state=True)
             _, from_start = layer(x, initial_state=start, return_state=True)
+            # The state passed by position, with a mask.
+            _, by_position = layer(
+                x, np.ones((BATCH, length)), start, return_state=True
+            )
+            for actual, expected in zip(by_position, from_start):
+                self.assertAllEqual(actual, expected)
             for actual, base, expected in zip(from_start, from_zeros, start):
                 self.assertDType(actual, "float32")
                 actual = backend.convert_to_numpy(actual)
@@ -1173,6 +1179,53 @@ class LinearAttentionTest(testing.TestCase):
                     FLOAT32_RTOL,
                     f"length {length}",
                 )
+
+    def test_functional_model_with_state_under_mixed_precision(self):
+        # The model's graph holds the layer's arguments as given (no casts
+        # of them): the mask from `Masking` reaches the layer with the
+        # state, and padding stays out of outputs and state.
+        layer = _built_layer(causal=True, dtype="mixed_bfloat16")
+        inputs = layers.Input((None, INPUT_DIM))
+        states = tuple(
+            layers.Input(tuple(s.shape[1:])) for s in layer.get_initial_state(1)
+        )
+        outputs, state = layer(
+            layers.Masking(0.0)(inputs),
+            initial_state=states,
+            return_state=True,
+        )
+        model = models.Model([inputs, *states], [outputs, *state])
+        self.assertEqual(
+            [type(op).__name__ for op in model.operations],
+            ["InputLayer", "Masking", "InputLayer", "InputLayer"]
+            + ["LinearAttention"],
+        )
+        x = _inputs()
+        x[1, 40:] = 0.0
+        start = tuple(
+            _inputs(tuple(s.shape), seed=3)
+            for s in layer.get_initial_state(BATCH)
+        )
+        y, *state = model([x, *start])
+        expected, expected_state = _np_reference(
+            layer, x, np.any(x != 0, axis=-1), initial_state=start
+        )
+        self.assertAllEqual(backend.convert_to_numpy(y)[1, 40:], 0.0)
+        _assert_close(y, expected, MIXED_RTOL["bfloat16"])
+        for actual, reference in zip(state, expected_state):
+            _assert_close(actual, reference, MIXED_RTOL["bfloat16"])
+
+    def test_subclass_with_another_call_signature(self):
+        class WithoutTraining(LinearAttention):
+            def call(self, inputs, mask=None):
+                return super().call(inputs, mask=mask)
+
+        layer = WithoutTraining(NUM_HEADS, KEY_DIM, causal=True)
+        inputs = layers.Input((None, INPUT_DIM))
+        model = models.Model(inputs, layer(inputs))
+        x = _inputs()
+        expected, _ = _np_reference(layer, x)
+        _assert_close(model.predict(x, verbose=0), expected, FLOAT32_RTOL)
 
     def test_float64_preserved(self):
         with _float64_enabled():
