@@ -9,7 +9,6 @@ from keras.src import ops
 from keras.src import regularizers
 from keras.src import tree
 from keras.src.api_export import keras_export
-from keras.src.backend.common.keras_tensor import any_symbolic_tensors
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
@@ -182,7 +181,10 @@ class LinearAttention(Layer):
             returned by `get_initial_state()` or by a previous call with
             `return_state=True`. Defaults to zeros. It is used in the
             accumulator dtype, never rounded to a mixed-precision compute
-            dtype first.
+            dtype first. (A subclassed layer or model that passes it on
+            casts its own floating call arguments to its compute dtype,
+            as every Keras layer does: create it with `autocast=False` to
+            keep the state in float32.)
         return_state: Causal layers only. Boolean, whether to return the
             state after the last time step along with the outputs.
             Defaults to `False`.
@@ -619,59 +621,38 @@ class LinearAttention(Layer):
         # dtype: under mixed precision, a float32 state carried from the
         # last call would reach `call` rounded to float16 or bfloat16 (and a
         # float16 key sum, which grows with every token, would overflow on
-        # long streams). For such calls on tensors with an `initial_state`,
-        # the other arguments are converted here as it would, the state is
-        # only made tensors (`call` casts it to the accumulator dtype), and
-        # its conversion is switched off for the call (as upstream's
-        # `DataLayer` does). Symbolic calls go through unchanged: their
-        # graph node must record the arguments as given.
-        if (
-            not self._convert_input_args
-            or backend.standardize_dtype(self.input_dtype)
+        # long streams). For such calls on tensors, the state is passed on
+        # wrapped, a leaf that the conversion leaves alone (variables read
+        # here, outside any autocast scope); everything else goes through
+        # upstream's conversion. Symbolic calls are unchanged: their graph
+        # node records the arguments as given.
+        if not self._convert_input_args or (
+            backend.standardize_dtype(self.input_dtype)
             == self.accumulator_dtype
         ):
             return super().__call__(*args, **kwargs)
         try:
             arguments = self._call_signature.bind(*args, **kwargs).arguments
         except TypeError:
-            arguments = {}  # `Layer.__call__` reports it as usual.
+            return super().__call__(*args, **kwargs)  # Reported there.
+        names = list(self._call_signature.parameters)
         initial_state = arguments.get("initial_state")
-        if initial_state is None or any_symbolic_tensors(args, kwargs):
+        if not isinstance(initial_state, (list, tuple)) or any(
+            isinstance(x, backend.KerasTensor)
+            for x in (arguments[names[0]], *initial_state)
+        ):
             return super().__call__(*args, **kwargs)
-
-        def convert(x):
-            mask = backend.get_keras_mask(x)
-            x = self.dtype_policy.convert_input(
-                x, self.autocast, self.input_dtype
+        # From the state on by keyword: only tensors go by position.
+        position = names.index("initial_state")
+        kwargs = {**kwargs, **dict(zip(names[position:], args[position:]))}
+        with backend.AutocastScope(None):
+            kwargs["initial_state"] = _UncastState(
+                tuple(
+                    x.value if isinstance(x, backend.Variable) else x
+                    for x in initial_state
+                )
             )
-            if mask is not None:
-                backend.set_keras_mask(x, mask)
-            return x
-
-        initial_state = tree.map_structure(
-            lambda x: self.dtype_policy.convert_input(
-                x, False, self.input_dtype
-            ),
-            initial_state,
-        )
-        if "initial_state" in kwargs:
-            kwargs = {**kwargs, "initial_state": None}
-            args, kwargs = tree.map_structure(convert, (args, kwargs))
-            kwargs["initial_state"] = initial_state
-        else:
-            position = list(self._call_signature.parameters).index(
-                "initial_state"
-            )
-            args = list(args)
-            args[position] = None
-            args = list(tree.map_structure(convert, args))
-            args[position] = initial_state
-            kwargs = tree.map_structure(convert, kwargs)
-        self._convert_input_args = False
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            self._convert_input_args = True
+        return super().__call__(*args[:position], **kwargs)
 
     def call(
         self,
@@ -681,6 +662,8 @@ class LinearAttention(Layer):
         return_state=False,
         training=None,
     ):
+        if isinstance(initial_state, _UncastState):
+            initial_state = initial_state.state
         self._check_call_arguments(inputs, initial_state, return_state)
         # The mask attached to `inputs` (e.g. by `Embedding(mask_zero=True)`)
         # is handled here, not by the projections. `Layer.__call__` passes
@@ -1044,6 +1027,15 @@ class LinearAttention(Layer):
                 config["feature_map"]
             )
         return super().from_config(config)
+
+
+class _UncastState:
+    """A state passed through `Layer.__call__` uncast (see `__call__`)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state):
+        self.state = state
 
 
 def _loads_as_itself(function):

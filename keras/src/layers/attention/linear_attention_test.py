@@ -374,6 +374,15 @@ class SoftplusFeatureMap(layers.Layer):
         return ops.softplus(x)
 
 
+class _StreamingModel(models.Model):
+    def __init__(self, attention, **kwargs):
+        super().__init__(autocast=False, **kwargs)
+        self.attention = attention
+
+    def call(self, x, state):
+        return self.attention(x, initial_state=state, return_state=True)
+
+
 class LinearAttentionTest(testing.TestCase):
     # Layer contract: weights, serialization, training, mixed precision.
 
@@ -1164,12 +1173,24 @@ class LinearAttentionTest(testing.TestCase):
             x = _inputs((BATCH, length, INPUT_DIM))
             _, from_zeros = layer(x, initial_state=zeros, return_state=True)
             _, from_start = layer(x, initial_state=start, return_state=True)
-            # The state passed by position, with a mask.
+            # The state passed by position (with a mask), and as variables
+            # (read outside the layer's autocast scope).
             _, by_position = layer(
                 x, np.ones((BATCH, length)), start, return_state=True
             )
-            for actual, expected in zip(by_position, from_start):
-                self.assertAllEqual(actual, expected)
+            _, from_variables = layer(
+                x,
+                initial_state=tuple(
+                    backend.Variable(s, trainable=False) for s in start
+                ),
+                return_state=True,
+            )
+            # Through a subclassed model that does not cast its arguments.
+            wrapper = _StreamingModel(layer, dtype=layer.dtype_policy)
+            _, through_model = wrapper(x, start)
+            for other in (by_position, from_variables, through_model):
+                for actual, expected in zip(other, from_start):
+                    self.assertAllEqual(actual, expected)
             for actual, base, expected in zip(from_start, from_zeros, start):
                 self.assertDType(actual, "float32")
                 actual = backend.convert_to_numpy(actual)
