@@ -12,10 +12,14 @@ median of several repeats):
   share 2 key/value heads), both in the `"parallel"` execution mode,
   `MultiHeadAttention` (`use_causal_mask=True` when causal), and the floor:
   the four projections alone, which every attention layer pays;
-- peak memory of forward+backward, per process: each point runs in a fresh
-  subprocess, where a thread samples the resident set size every
-  millisecond during one (compiled, warmed-up) step; the point is the peak
-  above the level just before the step;
+- peak memory of forward+backward, one fresh subprocess per point: on
+  PyTorch, a thread samples the resident set size every millisecond during
+  one warmed-up step, and the point is the peak above the level just
+  before the step; on TensorFlow and JAX, whose allocators keep the first
+  step's buffers for the next ones (so that the resident set hardly
+  grows), the point is XLA's own plan for the step, the bytes of its
+  buffer assignment without the inputs, read from its compilation dump
+  (`measure_memory`);
 - streaming decode: the latency of one causal step from a carried state, at
   several positions, for LinearAttention (`"linear"`, the default map) and
   its `"favor_plus"` and `"grouped"` variants, against MultiHeadAttention
@@ -62,10 +66,13 @@ import csv
 import json
 import os
 import platform
+import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -519,9 +526,20 @@ def measure_decode(positions, repeats, log):
     return rows
 
 
-def measure_memory(lengths, log):
-    """Peak memory of one forward+backward, one fresh subprocess per point."""
+def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
+    """Peak memory of one forward+backward, one fresh subprocess per point.
+
+    PyTorch: the growth of the resident set during one warmed-up step.
+    TensorFlow and JAX: XLA's own plan, the bytes of the step's buffer
+    assignment (outputs and temporaries, not the inputs), read from its
+    compilation dump, because their allocators keep the first step's
+    buffers for the next ones: the resident set then grows by little more
+    than the returned gradients (kept as `rss_growth_mb`). The plan exists
+    even where running the step fails under the address-space limit.
+    """
     keras = _keras()
+    backend = keras.backend.backend()
+    xla = backend in ("tensorflow", "jax")
     rows = []
     for kind in ("auto", "mha"):
         for length in lengths:
@@ -531,6 +549,8 @@ def measure_memory(lengths, log):
                 "--memory-point",
                 kind,
                 str(length),
+                "--memory-limit-gb",
+                str(limit_gb),
             ]
             # Large blocks go back to the system when freed, so that the
             # warm-up step does not leave a heap the measured step reuses.
@@ -539,18 +559,31 @@ def measure_memory(lengths, log):
                 "MALLOC_MMAP_THRESHOLD_": "65536",
                 "MALLOC_TRIM_THRESHOLD_": "131072",  # glibc's default
             }
+            dump = tempfile.mkdtemp(prefix="xla-dump-") if xla else None
+            if xla:
+                flags = os.environ.get("XLA_FLAGS", "")
+                env["XLA_FLAGS"] = f"{flags} --xla_dump_to={dump}".strip()
             result = subprocess.run(
                 command, capture_output=True, text=True, env=env
             )
             lines = result.stdout.strip().splitlines()
             row = {
-                "backend": keras.backend.backend(),
+                "backend": backend,
                 "layer": kind,
                 "length": length,
                 "peak_mb": None,
             }
+            if xla:
+                row["method"] = "XLA buffer assignment"
+                planned = _xla_buffer_mb(dump)
+                shutil.rmtree(dump, ignore_errors=True)
+            else:
+                row["method"] = "resident set growth"
             if result.returncode == 0 and lines:
                 row.update(json.loads(lines[-1]))
+                if xla:
+                    row["rss_growth_mb"] = row["peak_mb"]
+                    row["peak_mb"] = planned
             else:
                 errors = [
                     line
@@ -567,12 +600,40 @@ def measure_memory(lengths, log):
                         name = f"signal {-result.returncode}"
                     status = f"killed by {name}"
                 row["note"] = "failed: " + (errors or [status])[-1][:200]
+                if xla and planned is not None:
+                    # Compiled, then failed to run under the limit.
+                    row["peak_mb"] = planned
+                    row["note"] = "run " + row["note"]
             rows.append(row)
             log(
                 f"  memory {kind:5} T={length:<6} "
                 f"{row['peak_mb'] if row['peak_mb'] is not None else row}"
             )
     return rows
+
+
+def _xla_buffer_mb(dump):
+    """MB of the largest module's buffer assignment in an XLA dump.
+
+    The sum of its allocations, parameters (the step's inputs) excluded;
+    `None` if nothing was dumped.
+    """
+    sizes = []
+    for name in os.listdir(dump):
+        if not name.endswith("buffer-assignment.txt"):
+            continue
+        with open(os.path.join(dump, name)) as file:
+            text = file.read()
+        sizes.append(
+            sum(
+                int(size)
+                for size, rest in re.findall(
+                    r"^allocation \d+: size (\d+)(.*)$", text, re.MULTILINE
+                )
+                if "parameter" not in rest
+            )
+        )
+    return round(max(sizes) / 2**20, 1) if sizes else None
 
 
 def _caching_malloc():
@@ -849,9 +910,14 @@ def markdown(results):
     lines.append(text)
     lines.append("")
     if results["memory"]:
-        lines.append(
-            "**Peak memory, causal forward+backward (MB above resting RSS)**"
-        )
+        if results["backend"] == "torch":
+            how = "MB above resting RSS"
+        else:
+            how = (
+                "MB, XLA's buffer assignment: outputs and temporaries, "
+                "inputs excluded"
+            )
+        lines.append(f"**Peak memory, causal forward+backward ({how})**")
         lines.append("")
         lines.append("| T | LinearAttention | MultiHeadAttention |")
         lines.append("|---|---|---|")
@@ -864,9 +930,12 @@ def markdown(results):
                     if r["layer"] == kind and r["length"] == length
                 )
                 value = row.get("peak_mb")
-                cells.append(
-                    str(value) if value is not None else row.get("note", "?")
-                )
+                if value is None:
+                    cells.append(row.get("note", "?"))
+                elif row.get("note"):
+                    cells.append(f"{value} (compiled; the run failed)")
+                else:
+                    cells.append(str(value))
             lines.append(f"| {length} | " + " | ".join(cells) + " |")
         lines.append("")
     if results["decode"]:
@@ -1037,7 +1106,7 @@ def run(args):
         # Re-measure memory into the saved results of this backend.
         with open(os.path.join(args.out, backend + ".json")) as file:
             results = json.load(file)
-        results["memory"] = measure_memory(lengths, log)
+        results["memory"] = measure_memory(lengths, log, args.memory_limit_gb)
         write(results, args.out)
         return
     start = time.time()
@@ -1068,7 +1137,11 @@ def run(args):
         "memory": (
             []
             if args.no_memory
-            else measure_memory(lengths[-1:] if args.quick else lengths, log)
+            else measure_memory(
+                lengths[-1:] if args.quick else lengths,
+                log,
+                args.memory_limit_gb,
+            )
         ),
     }
     results["seconds"] = round(time.time() - start, 1)
