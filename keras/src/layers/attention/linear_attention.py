@@ -1,4 +1,5 @@
 import math
+import numbers
 
 import numpy as np
 
@@ -145,8 +146,12 @@ class LinearAttention(Layer):
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
         bias_regularizer: Regularizer for dense layer biases.
-        activity_regularizer: Regularizer for dense layer activity.
-        kernel_constraint: Constraint for dense layer kernels.
+        activity_regularizer: Regularizer for dense layer activity (the
+            outputs of the four projections, as in `MultiHeadAttention`;
+            never the state).
+        kernel_constraint: Constraint for dense layer kernels (and for
+            the `"hedgehog"` kernel, per head, with its `key_dim` axis as
+            the input axis).
         bias_constraint: Constraint for dense layer biases.
         seed: Optional integer to seed the dropout layer and the FAVOR+
             random features.
@@ -288,7 +293,7 @@ class LinearAttention(Layer):
         num_features=None,
         **kwargs,
     ):
-        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        super().__init__(**kwargs)
         self.supports_masking = True
         self.num_heads = _positive_int("num_heads", num_heads)
         self.num_key_value_heads = (
@@ -403,10 +408,19 @@ class LinearAttention(Layer):
         self.kernel_initializer = initializers.get(kernel_initializer)
         self.bias_initializer = initializers.get(bias_initializer)
         self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        # Given to the projections (`Layer.__call__` would also regularize
+        # the returned state).
+        self._activity_regularizer = regularizers.get(activity_regularizer)
         self.bias_regularizer = regularizers.get(bias_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
-        self.seed = seed
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+        ):
+            raise ValueError(
+                f"`seed` must be an integer or `None`. Received: seed={seed!r}"
+            )
+        self.seed = None if seed is None else int(seed)
 
     @property
     def output_shape(self):
@@ -453,6 +467,9 @@ class LinearAttention(Layer):
                 shape=(self.key_dim, self.num_features),
                 initializer=self._draw_random_features,
                 trainable=False,
+                # Read in float32 under mixed precision too (features are
+                # computed in the accumulator dtype).
+                autocast=False,
             )
         elif self.feature_map == "hedgehog":
             self.feature_map_kernel = self.add_weight(
@@ -460,7 +477,12 @@ class LinearAttention(Layer):
                 shape=(key_value_heads, self.key_dim, self.num_features // 2),
                 initializer=_identity_per_head,
                 regularizer=self.kernel_regularizer,
-                constraint=self.kernel_constraint,
+                constraint=(
+                    None
+                    if self.kernel_constraint is None
+                    else _PerHeadConstraint(self.kernel_constraint)
+                ),
+                autocast=False,
             )
         self._dropout_layer = None
         if self.dropout > 0:
@@ -469,8 +491,7 @@ class LinearAttention(Layer):
             )
 
     def _draw_random_features(self, shape, dtype=None):
-        seed = self.seed if isinstance(self.seed, int) else None
-        features = _orthogonal_random_features(*shape, seed=seed)
+        features = _orthogonal_random_features(*shape, seed=self.seed)
         return ops.convert_to_tensor(features, dtype=dtype)
 
     def redraw_random_features(self, seed=None):
@@ -514,6 +535,7 @@ class LinearAttention(Layer):
         common_kwargs = dict(
             kernel_regularizer=self.kernel_regularizer,
             bias_regularizer=self.bias_regularizer,
+            activity_regularizer=self._activity_regularizer,
             kernel_constraint=self.kernel_constraint,
             bias_constraint=self.bias_constraint,
             dtype=self.dtype_policy,
@@ -1010,6 +1032,9 @@ class LinearAttention(Layer):
                 self.kernel_regularizer
             ),
             "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "activity_regularizer": regularizers.serialize(
+                self._activity_regularizer
+            ),
             "kernel_constraint": constraints.serialize(self.kernel_constraint),
             "bias_constraint": constraints.serialize(self.bias_constraint),
             "seed": self.seed,
@@ -1027,6 +1052,21 @@ class LinearAttention(Layer):
                 config["feature_map"]
             )
         return super().from_config(config)
+
+
+class _PerHeadConstraint(constraints.Constraint):
+    """A dense-kernel constraint on `(heads, key_dim, features)` kernels.
+
+    Applied as on a dense kernel of each head, whose first axis is the
+    input axis (`key_dim`), not across heads.
+    """
+
+    def __init__(self, constraint):
+        self.constraint = constraint
+
+    def __call__(self, w):
+        w = ops.transpose(w, (1, 0, 2))
+        return ops.transpose(self.constraint(w), (1, 0, 2))
 
 
 class _UncastState:

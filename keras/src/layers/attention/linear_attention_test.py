@@ -492,6 +492,8 @@ class LinearAttentionTest(testing.TestCase):
             {"feature_map": "hedgehog", "num_features": 7},
             "num_features",
         ),
+        ("seed_float", {"seed": 1.5}, "seed"),
+        ("seed_bool", {"seed": True}, "seed"),
     )
     def test_invalid_constructor_arguments(self, kwargs, name):
         kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
@@ -513,8 +515,15 @@ class LinearAttentionTest(testing.TestCase):
         layer(_inputs((1, 3, 8)))
         for variable in layer.weights:
             self.assertAllClose(variable, np.ones(variable.shape))
-        # Four kernel penalties, four bias penalties and the activity one.
-        self.assertLen(layer.losses, 9)
+        # Four kernel penalties, four bias penalties and four activity ones
+        # (the projections' outputs, as in MultiHeadAttention).
+        self.assertLen(layer.losses, 12)
+        # Never the returned state.
+        causal = LinearAttention(2, 4, causal=True, activity_regularizer="l2")
+        causal(_inputs((1, 3, 8)))
+        self.assertLen(causal.losses, 4)
+        causal(_inputs((1, 3, 8)), return_state=True)
+        self.assertLen(causal.losses, 4)
         for sublayer in (layer._query_dense, layer._output_dense):
             self.assertIsInstance(
                 sublayer.kernel.constraint, constraints.MaxNorm
@@ -1228,13 +1237,19 @@ class LinearAttentionTest(testing.TestCase):
             for s in layer.get_initial_state(BATCH)
         )
         y, *state = model([x, *start])
-        expected, expected_state = _np_reference(
-            layer, x, np.any(x != 0, axis=-1), initial_state=start
-        )
         self.assertAllEqual(backend.convert_to_numpy(y)[1, 40:], 0.0)
-        _assert_close(y, expected, MIXED_RTOL["bfloat16"])
+        # As the layer called directly with the mask (tested against the
+        # reference elsewhere); without it, 30 padded steps would add to
+        # the state.
+        expected, expected_state = layer(
+            x,
+            mask=np.any(x != 0, axis=-1),
+            initial_state=start,
+            return_state=True,
+        )
+        _assert_close(y, expected, FLOAT32_PARITY_RTOL)
         for actual, reference in zip(state, expected_state):
-            _assert_close(actual, reference, MIXED_RTOL["bfloat16"])
+            _assert_close(actual, reference, FLOAT32_PARITY_RTOL)
 
     def test_subclass_with_another_call_signature(self):
         class WithoutTraining(LinearAttention):
@@ -1613,6 +1628,11 @@ class LinearAttentionTest(testing.TestCase):
             self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-5)
         same = _built_layer(feature_map="favor_plus", num_features=8, seed=1)
         self.assertAllEqual(same.random_features, features)
+        numpy_seed = _built_layer(
+            feature_map="favor_plus", num_features=8, seed=np.int64(1)
+        )
+        self.assertAllEqual(numpy_seed.random_features, features)
+        self.assertIs(type(numpy_seed.get_config()["seed"]), int)
         other = _built_layer(feature_map="favor_plus", num_features=8, seed=2)
         self.assertNotAllClose(other.random_features, features)
         # Without a seed, the features follow keras.utils.set_random_seed.
@@ -1755,13 +1775,38 @@ class LinearAttentionTest(testing.TestCase):
         kernel = layer.feature_map_kernel
         self.assertTrue(kernel.trainable)
         self.assertIn(kernel, layer.trainable_weights)
-        self.assertIsInstance(kernel.constraint, constraints.MaxNorm)
         # Four dense kernels and the feature map's.
         self.assertLen(layer.losses, 5)
         upstream = _inputs(seed=5)
         gradients = _gradients(layer, x, upstream)
         index = [v.path for v in layer.trainable_variables].index(kernel.path)
         self.assertGreater(np.max(np.abs(gradients[1 + index])), 1e-4)
+
+    def test_hedgehog_kernel_constraint_per_head(self):
+        # As on the dense kernels, whose first axis is the input axis:
+        # unit columns along key_dim, for each head (here only one, so
+        # that a constraint along the heads axis would make every entry
+        # +-1) and feature.
+        layer = _built_layer(
+            extension="grouped_hedgehog", kernel_constraint="unit_norm"
+        )
+        kernel = layer.feature_map_kernel
+        constrained = backend.convert_to_numpy(kernel.constraint(kernel.value))
+        self.assertAllClose(
+            np.linalg.norm(constrained, axis=1),
+            np.ones((kernel.shape[0], kernel.shape[2])),
+            atol=1e-6,
+        )
+
+    def test_feature_map_weights_are_not_autocast(self):
+        # Read in float32 inside the layer's bfloat16 autocast scope.
+        for extension, name in (
+            ("favor_plus", "random_features"),
+            ("hedgehog", "feature_map_kernel"),
+        ):
+            layer = _built_layer(extension=extension, dtype="mixed_bfloat16")
+            with backend.AutocastScope("bfloat16"):
+                self.assertDType(getattr(layer, name).value, "float32")
 
     def test_docstring_examples(self):
         import keras
