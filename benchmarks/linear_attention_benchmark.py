@@ -584,6 +584,8 @@ def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
                 if xla:
                     row["rss_growth_mb"] = row["peak_mb"]
                     row["peak_mb"] = planned
+                    if "note" in row:  # Planned, then out of memory.
+                        row["note"] = "the run: " + row["note"]
             else:
                 errors = [
                     line
@@ -730,6 +732,10 @@ def crossover(rows, suffix=""):
     if not points:
         return None, "n/a"
     if points[0][1] >= 1:
+        if points[0][0] > min(row["length"] for row in rows):
+            # Measured only from a longer length on (`--quick` compiles the
+            # PyTorch kinds at its longest length only).
+            return None, f"n/a (from {points[0][0]} only)"
         return points[0][0], f"<= {points[0][0]}"
     for (n0, r0), (n1, r1) in zip(points, points[1:]):
         if r1 >= 1 > r0:
@@ -861,6 +867,9 @@ def markdown(results):
     lines = [
         f"### {results['backend']} ({results['machine']}; malloc: "
         f"{results.get('malloc', 'system').split(' ')[0]})",
+        "",
+        f"{results['date']}; "
+        + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
         "",
         "Time in ms (median). `auto`/`parallel`/`recurrent`: "
         "LinearAttention; `favor_plus`: LinearAttention with "
@@ -1167,6 +1176,9 @@ def write(results, out):
                 "ms",
                 "state_bytes",
                 "kv_cache_bytes",
+                "peak_mb",
+                "method",
+                "rss_growth_mb",
                 "note",
             ],
         )
@@ -1176,6 +1188,11 @@ def write(results, out):
         writer.writerows(
             {"causal": True, "mode": "decode", **row}
             for row in results["decode"]
+        )
+        # Memory rows: causal forward+backward, mode "memory".
+        writer.writerows(
+            {"causal": True, "mode": "memory", **row}
+            for row in results["memory"]
         )
     text = markdown(results)
     text += "\n" + targets_table({backend: results}) + "\n"
@@ -1207,8 +1224,10 @@ def main():
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="3 lengths (the LinearAttention variants at the longest only), "
-        "2 decode positions, 1 memory point: under two minutes",
+        help="3 lengths (the LinearAttention variants and PyTorch's "
+        "compiled kinds at the longest only), 2 decode positions, 1 memory "
+        "point: under two minutes; most targets need the full lengths "
+        "(4k, 16k) and show n/a",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="one tiny point, for tests"
