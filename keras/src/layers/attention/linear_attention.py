@@ -154,7 +154,8 @@ class LinearAttention(Layer):
             the input axis).
         bias_constraint: Constraint for dense layer biases.
         seed: Optional integer to seed the dropout layer and the FAVOR+
-            random features.
+            random features (not a `SeedGenerator`: the features are drawn
+            with NumPy from it).
         num_key_value_heads: Number of key and value heads, as in
             `GroupedQueryAttention`: `num_heads` must be a multiple of it,
             and each group of `num_heads // num_key_value_heads` query heads
@@ -653,11 +654,21 @@ class LinearAttention(Layer):
             == self.accumulator_dtype
         ):
             return super().__call__(*args, **kwargs)
-        try:
-            arguments = self._call_signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            return super().__call__(*args, **kwargs)  # Reported there.
         names = list(self._call_signature.parameters)
+        # Context arguments (`training`) that `call` does not take are
+        # dropped by `Layer.__call__`; left out of the binding here too.
+        bound_kwargs = {
+            key: value
+            for key, value in kwargs.items()
+            if key in names or key not in self._call_context_args
+        }
+        try:
+            arguments = self._call_signature.bind(
+                *args, **bound_kwargs
+            ).arguments
+        except TypeError:
+            # Bad arguments: `Layer.__call__` reports them.
+            return super().__call__(*args, **kwargs)
         initial_state = arguments.get("initial_state")
         if not isinstance(initial_state, (list, tuple)) or any(
             isinstance(x, backend.KerasTensor)

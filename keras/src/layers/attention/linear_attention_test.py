@@ -1210,6 +1210,40 @@ class LinearAttentionTest(testing.TestCase):
                     f"length {length}",
                 )
 
+    def test_mixed_precision_state_in_subclass_without_training(self):
+        # `training`, which this `call` does not take, is dropped as
+        # upstream does; the state still reaches `call` unrounded.
+        class WithoutTraining(LinearAttention):
+            def call(self, inputs, initial_state=None, return_state=False):
+                return super().call(
+                    inputs,
+                    initial_state=initial_state,
+                    return_state=return_state,
+                )
+
+        layer = WithoutTraining(
+            NUM_HEADS, KEY_DIM, causal=True, dtype="mixed_bfloat16"
+        )
+        x = _inputs()
+        zeros = layer.get_initial_state(BATCH)
+        start = tuple(
+            (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
+            for s in zeros
+        )
+        _, from_zeros = layer(
+            x, initial_state=zeros, return_state=True, training=False
+        )
+        _, from_start = layer(
+            x, initial_state=start, return_state=True, training=False
+        )
+        for actual, base, expected in zip(from_start, from_zeros, start):
+            _assert_close(
+                backend.convert_to_numpy(actual)
+                - backend.convert_to_numpy(base),
+                expected,
+                FLOAT32_RTOL,
+            )
+
     def test_functional_model_with_state_under_mixed_precision(self):
         # The model's graph holds the layer's arguments as given (no casts
         # of them): the mask from `Masking` reaches the layer with the
