@@ -15,9 +15,9 @@ median of several repeats):
 - peak memory of forward+backward, one fresh subprocess per point: on
   PyTorch, a thread samples the resident set size every millisecond during
   one warmed-up step, and the point is the peak above the level just
-  before the step; on TensorFlow and JAX, whose allocators keep the first
-  step's buffers for the next ones (so that the resident set hardly
-  grows), the point is XLA's own plan for the step, the bytes of its
+  before the step; on TensorFlow and JAX, whose allocators can reuse
+  buffers kept from earlier steps (so that the resident set's growth is
+  unreliable), the point is XLA's own plan for the step, the bytes of its
   buffer assignment without the inputs, read from its compilation dump
   (`measure_memory`);
 - streaming decode: the latency of one causal step from a carried state, at
@@ -202,12 +202,11 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
         if mode == "forward":
             function = jax.jit(forward)
         else:
-            function = jax.jit(
-                jax.grad(
-                    lambda w, x: jnp.sum(jax.tree.leaves(forward(w, x))[0]),
-                    argnums=(0, 1),
-                )
-            )
+            # Named: the memory points find its XLA module by this name.
+            def gradients(w, x):
+                return jnp.sum(jax.tree.leaves(forward(w, x))[0])
+
+            function = jax.jit(jax.grad(gradients, argnums=(0, 1)))
         return lambda x: jax.block_until_ready(function(trainable, x))
     if backend == "tensorflow":
         import tensorflow as tf
@@ -532,10 +531,10 @@ def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
     PyTorch: the growth of the resident set during one warmed-up step.
     TensorFlow and JAX: XLA's own plan, the bytes of the step's buffer
     assignment (outputs and temporaries, not the inputs), read from its
-    compilation dump, because their allocators keep the first step's
-    buffers for the next ones: the resident set then grows by little more
-    than the returned gradients (kept as `rss_growth_mb`). The plan exists
-    even where running the step fails under the address-space limit.
+    compilation dump, because their allocators can reuse buffers kept from
+    earlier steps: the resident set's growth (kept as `rss_growth_mb`) was
+    often little more than the returned gradients. The plan exists even
+    where running the step fails under the address-space limit.
     """
     keras = _keras()
     backend = keras.backend.backend()
@@ -573,6 +572,7 @@ def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
                 "length": length,
                 "peak_mb": None,
             }
+            row["memory_limit_gb"] = limit_gb
             if xla:
                 row["method"] = "XLA buffer assignment"
                 planned = _xla_buffer_mb(dump)
@@ -615,14 +615,16 @@ def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
 
 
 def _xla_buffer_mb(dump):
-    """MB of the largest module's buffer assignment in an XLA dump.
+    """MB of the forward+backward step's buffer assignment in an XLA dump.
 
     The sum of its allocations, parameters (the step's inputs) excluded;
-    `None` if nothing was dumped.
+    `None` if the step's module (named after `_compile`'s `gradients`
+    function; the dump also holds small modules of eager operations) is
+    not there.
     """
     sizes = []
     for name in os.listdir(dump):
-        if not name.endswith("buffer-assignment.txt"):
+        if not (name.endswith("buffer-assignment.txt") and "gradients" in name):
             continue
         with open(os.path.join(dump, name)) as file:
             text = file.read()
@@ -657,7 +659,7 @@ def _resident_mb():
         return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _memory_point(kind, length):
+def _memory_point(kind, length, limit_gb=MEMORY_LIMIT_GB):
     """Peak resident memory of one forward+backward at `length`, in MB.
 
     A thread samples the resident set size every millisecond while the
@@ -689,7 +691,7 @@ def _memory_point(kind, length):
     except Exception as error:
         if not _is_out_of_memory(error) and kind != "mha":
             raise
-        limit_mb = MEMORY_LIMIT_GB * 1024
+        limit_mb = round(limit_gb * 1024)
         print(json.dumps({"peak_mb": None, "note": f"> {limit_mb} MB (OOM)"}))
         return
     print(json.dumps({"peak_mb": round(max(peak[0] - before, 0.0), 1)}))
@@ -787,10 +789,15 @@ def target_values(results, suffix=""):
     memory_16k = _ratio(peak("mha", 16384), peak("auto", 16384))
     linear_peak = peak("auto", 16384)
     if failed(memory, "mha", 16384, "peak_mb") and linear_peak:
-        bound = MEMORY_LIMIT_GB * 1024 / max(linear_peak, 1.0)
+        limit_gb = next(
+            row.get("memory_limit_gb", MEMORY_LIMIT_GB)
+            for row in memory
+            if row["layer"] == "mha" and row["length"] == 16384
+        )
+        bound = limit_gb * 1024 / max(linear_peak, 1.0)
         memory_16k = (
             bound,
-            f"> {bound:.0f} (MHA > {MEMORY_LIMIT_GB} GiB limit, "
+            f"> {bound:.0f} (MHA > {limit_gb:g} GiB limit, "
             f"linear {linear_peak:.0f} MB)",
         )
 
@@ -849,8 +856,8 @@ def targets_table(all_results):
                 number = value
                 text = "n/a" if value is None else f"{value:.2f}"
             if number is None:
-                # Only the crossover has a text without a number: "<= 128"
-                # (faster everywhere) or "> 16384" (never faster).
+                # Only the crossover has a text without a number: "> 16384"
+                # (never faster), or "n/a (...)" (not measured: "?").
                 ok = {"<": True, ">": False}.get(text[:1])
             else:
                 ok = number <= bound if kind == "max" else number >= bound
@@ -1280,7 +1287,11 @@ def main():
     if args.summary:
         summary(args.out)
     elif args.memory_point:
-        _memory_point(args.memory_point[0], int(args.memory_point[1]))
+        _memory_point(
+            args.memory_point[0],
+            int(args.memory_point[1]),
+            args.memory_limit_gb,
+        )
     else:
         run(args)
 
