@@ -1186,6 +1186,7 @@ def write(results, out):
                 "peak_mb",
                 "method",
                 "rss_growth_mb",
+                "memory_limit_gb",
                 "note",
             ],
         )
