@@ -581,11 +581,6 @@ def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
                 row["method"] = "resident set growth"
             if result.returncode == 0 and lines:
                 row.update(json.loads(lines[-1]))
-                if xla:
-                    row["rss_growth_mb"] = row["peak_mb"]
-                    row["peak_mb"] = planned
-                    if "note" in row:  # Planned, then out of memory.
-                        row["note"] = "the run: " + row["note"]
             else:
                 errors = [
                     line
@@ -602,10 +597,12 @@ def measure_memory(lengths, log, limit_gb=MEMORY_LIMIT_GB):
                         name = f"signal {-result.returncode}"
                     status = f"killed by {name}"
                 row["note"] = "failed: " + (errors or [status])[-1][:200]
-                if xla and planned is not None:
-                    # Compiled, then failed to run under the limit.
-                    row["peak_mb"] = planned
-                    row["note"] = "run " + row["note"]
+            if xla:
+                row["rss_growth_mb"] = row["peak_mb"]
+                row["peak_mb"] = planned
+                if planned is not None and "note" in row:
+                    # Planned, then out of memory (or a crash) running it.
+                    row["note"] = "the run: " + row["note"]
             rows.append(row)
             log(
                 f"  memory {kind:5} T={length:<6} "

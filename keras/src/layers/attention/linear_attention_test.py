@@ -353,6 +353,14 @@ def _stream(layer, x, sizes, mask=None):
     return np.concatenate(outputs, axis=1), state
 
 
+def _state_near_1000(state):
+    """float32 values near 1000 that float16 and bfloat16 cannot hold."""
+    return tuple(
+        (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
+        for s in state
+    )
+
+
 def _pieces(length, size):
     return [size] * (length // size) + (
         [length % size] if length % size else []
@@ -1174,10 +1182,7 @@ class LinearAttentionTest(testing.TestCase):
         # dtype anywhere is off by far more than float32 rounding.
         layer = _built_layer(causal=True, dtype=f"mixed_{dtype}")
         zeros = layer.get_initial_state(BATCH)
-        start = tuple(
-            (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
-            for s in zeros
-        )
+        start = _state_near_1000(zeros)
         for length in (1, LENGTH):  # the recurrent and the parallel path
             x = _inputs((BATCH, length, INPUT_DIM))
             _, from_zeros = layer(x, initial_state=zeros, return_state=True)
@@ -1226,10 +1231,7 @@ class LinearAttentionTest(testing.TestCase):
         )
         x = _inputs()
         zeros = layer.get_initial_state(BATCH)
-        start = tuple(
-            (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
-            for s in zeros
-        )
+        start = _state_near_1000(zeros)
         _, from_zeros = layer(
             x, initial_state=zeros, return_state=True, training=False
         )
