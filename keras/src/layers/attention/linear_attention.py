@@ -1,3 +1,4 @@
+import inspect
 import math
 import numbers
 
@@ -110,14 +111,19 @@ class LinearAttention(Layer):
               `feature_map_kernel`, regularized and constrained like the
               dense kernels), initialized to the identity so that training
               starts from an exponential kernel over every feature.
-            - A callable (a function or a `Layer`) registered with
+            - A callable (a function, a `Layer`, or an object with
+              `get_config()` and `from_config()`) registered with
               `keras.saving.register_keras_serializable()`. It receives a
               tensor of shape `(batch_size, sequence_length, heads,
               key_dim)` in the accumulator dtype, where `heads` is
               `num_heads` for queries and `num_key_value_heads` for keys, and
-              must return non-negative values of the same shape and dtype
-              (the layer does not check the values). An unregistered
-              callable works but the layer cannot be serialized.
+              must return non-negative values of the same shape (the layer
+              does not check the values, and casts them to the accumulator
+              dtype). A `Layer` is built with this layer, for the queries'
+              shape, and computes in its own dtype policy: under mixed
+              precision, give it `dtype="float32"` for float32 features. An
+              unregistered callable works but the layer cannot be
+              serialized.
         use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
             normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -460,6 +466,11 @@ class LinearAttention(Layer):
         for dense in (self._query_dense, self._key_dense, self._value_dense):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
+        if isinstance(self.feature_map, Layer) and not self.feature_map.built:
+            # Built here, for the queries' shape (the first it receives),
+            # so that its weights exist when the layer is built
+            # symbolically, as in a Functional model, and load with it.
+            self.feature_map.build((None, None, heads, self.key_dim))
         if self.feature_map == "favor_plus":
             # Drawn with NumPy from `seed`: the same seed gives the same
             # features on every backend, and the weight saves them.
@@ -577,6 +588,22 @@ class LinearAttention(Layer):
                 "(`causal=True`): non-causal attention has no recurrent "
                 f"state. Received: causal={self.causal}"
             )
+        if isinstance(batch_size, numbers.Integral) and not isinstance(
+            batch_size, bool
+        ):
+            valid = batch_size >= 0
+            batch_size = int(batch_size)
+        else:
+            valid = (
+                backend.is_tensor(batch_size)
+                and len(batch_size.shape) == 0
+                and "int" in backend.standardize_dtype(batch_size.dtype)
+            )
+        if not valid:
+            raise ValueError(
+                "`batch_size` must be a non-negative integer or a scalar "
+                f"integer tensor. Received: batch_size={batch_size!r}"
+            )
         return tuple(
             ops.zeros((batch_size,) + shape, dtype=self.accumulator_dtype)
             for shape in self._state_shapes()
@@ -637,7 +664,9 @@ class LinearAttention(Layer):
             return ops.exp(x - positive) + positive
         if self.feature_map == "relu":
             return ops.relu(x) + self.normalization_epsilon
-        return self.feature_map(x)
+        # A `Layer` computes in its own dtype policy (a mixed one returns
+        # float16 or bfloat16 features): the layer goes on in `x.dtype`.
+        return ops.cast(self.feature_map(x), x.dtype)
 
     def __call__(self, *args, **kwargs):
         # `Layer.__call__` casts every floating argument to the compute
@@ -1012,14 +1041,14 @@ class LinearAttention(Layer):
     def get_config(self):
         feature_map = self.feature_map
         if not isinstance(feature_map, str):
-            if not (
-                isinstance(feature_map, Layer) or _loads_as_itself(feature_map)
-            ):
+            if not _loads_back(feature_map):
                 raise ValueError(
                     "Cannot serialize `LinearAttention` with an unregistered "
                     f"`feature_map` callable ({feature_map!r}). Register it "
                     "with `@keras.saving.register_keras_serializable()` so "
-                    "that it can be saved and loaded by name. Received: "
+                    "that it can be saved and loaded (a callable object "
+                    "also needs `get_config()` and `from_config()`). "
+                    "Received: "
                     f"feature_map={feature_map!r}"
                 )
             feature_map = serialization_lib.serialize_keras_object(feature_map)
@@ -1089,18 +1118,23 @@ class _UncastState:
         self.state = state
 
 
-def _loads_as_itself(function):
-    """Whether a `feature_map` function saves and loads as itself.
+def _loads_back(feature_map):
+    """Whether a `feature_map` callable saves and loads.
 
-    True for registered functions and for Keras's own (such as
-    `keras.activations.softplus`, saved by name); false for others, which
-    could be saved but not loaded.
+    A function must load as itself: true for registered functions and for
+    Keras's own (such as `keras.activations.softplus`, saved by name). A
+    `Layer` or other callable object must load as an object of its class:
+    true for registered classes and Keras's layers. False for the others,
+    which could be saved but not loaded.
     """
     try:
-        config = serialization_lib.serialize_keras_object(function)
-        return serialization_lib.deserialize_keras_object(config) is function
+        config = serialization_lib.serialize_keras_object(feature_map)
+        loaded = serialization_lib.deserialize_keras_object(config)
     except Exception:
         return False
+    if inspect.isfunction(feature_map) or inspect.isbuiltin(feature_map):
+        return loaded is feature_map
+    return type(loaded) is type(feature_map)
 
 
 def _positive_int(name, value):

@@ -382,6 +382,37 @@ class SoftplusFeatureMap(layers.Layer):
         return ops.softplus(x)
 
 
+@saving.register_keras_serializable(package="LinearAttentionTest")
+class ScaledSoftplusFeatureMap(layers.Layer):
+    """A map with a weight: `softplus(x * scale)`, one scale per feature."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(
+            shape=(input_shape[-1],), initializer="random_uniform"
+        )
+
+    def call(self, x):
+        return ops.softplus(x * self.scale)
+
+
+@saving.register_keras_serializable(package="LinearAttentionTest")
+class PowerFeatureMap:
+    """A callable object: `relu(x) ** power + 1`."""
+
+    def __init__(self, power=2):
+        self.power = power
+
+    def __call__(self, x):
+        return ops.relu(x) ** self.power + 1.0
+
+    def get_config(self):
+        return {"power": self.power}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
 class _StreamingModel(models.Model):
     def __init__(self, attention, **kwargs):
         super().__init__(autocast=False, **kwargs)
@@ -1113,6 +1144,32 @@ class LinearAttentionTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, "register_keras_serializable"):
             _layer(feature_map=ops.softplus).get_config()
 
+    def test_unregistered_feature_map_objects(self):
+        # A `Layer` or callable object must load as its own class.
+        class Unregistered(layers.Layer):
+            def call(self, x):
+                return ops.softplus(x)
+
+        @saving.register_keras_serializable("LinearAttentionTest")
+        class WithoutFromConfig:
+            def __call__(self, x):
+                return ops.softplus(x)
+
+            def get_config(self):
+                return {}
+
+        for feature_map in (Unregistered(), WithoutFromConfig()):
+            with self.assertRaisesRegex(
+                ValueError, "register_keras_serializable"
+            ):
+                _layer(feature_map=feature_map).get_config()
+
+    def test_registered_callable_object_as_feature_map(self):
+        layer = _layer(causal=True, feature_map=PowerFeatureMap(3))
+        revived = LinearAttention.from_config(layer.get_config())
+        self.assertIsInstance(revived.feature_map, PowerFeatureMap)
+        self.assertEqual(revived.feature_map.power, 3)
+
     def test_keras_function_as_feature_map(self):
         layer = _layer(feature_map=activations.softplus)
         revived = LinearAttention.from_config(layer.get_config())
@@ -1515,6 +1572,12 @@ class LinearAttentionTest(testing.TestCase):
             _layer()([x, x])
         with self.assertRaises((TypeError, ValueError)):
             _layer()(query=x, value=x)
+        for batch_size in (None, 2.0, -1, True, np.ones((2,), "int32")):
+            with self.assertRaisesRegex(ValueError, "batch_size"):
+                layer.get_initial_state(batch_size)
+        for batch_size in (np.int64(3), ops.convert_to_tensor(3)):
+            state = layer.get_initial_state(batch_size)
+            self.assertEqual(state[0].shape, (3, NUM_HEADS, KEY_DIM, VALUE_DIM))
         non_causal = _layer()
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
             non_causal(x, return_state=True)
@@ -1797,6 +1860,54 @@ class LinearAttentionTest(testing.TestCase):
                 loaded.layers[1].feature_map, SoftplusFeatureMap
             )
             self.assertAllClose(loaded(x), model(x), atol=0, rtol=0)
+
+    def test_feature_map_layer_with_weights(self):
+        # Built with the layer, also symbolically (a Functional model never
+        # calls `call` while it is built), so that its weight is one of the
+        # model's and weights files load into a new model.
+        def model():
+            inputs = layers.Input((None, INPUT_DIM))
+            layer = _layer(causal=True, feature_map=ScaledSoftplusFeatureMap())
+            return models.Model(inputs, layer(inputs))
+
+        first, second = model(), model()
+        self.assertLen(first.weights, 9)  # 4 kernels, 4 biases, the map's
+        x = _inputs()
+        path = os.path.join(self.get_temp_dir(), "map.weights.h5")
+        first.save_weights(path)
+        second.load_weights(path)
+        self.assertAllClose(second(x), first(x), atol=0, rtol=0)
+        scale = backend.convert_to_numpy(first.layers[1].feature_map.scale)
+
+        def scaled_softplus(features):
+            return np.logaddexp(0.0, features * scale)
+
+        expected, _ = _np_reference(first.layers[1], x, feature=scaled_softplus)
+        _assert_close(first(x), expected, FLOAT32_RTOL)
+
+    def test_feature_map_layer_under_mixed_precision(self):
+        # A map `Layer` made under a mixed policy computes in float16: its
+        # features are cast back, so that keys, key sums and states stay
+        # float32 (before, TensorFlow and PyTorch failed adding float16
+        # keys to the float32 state).
+        x = _inputs()
+        reference = _built_layer(causal=True, feature_map=SoftplusFeatureMap())
+        for length in (1, LENGTH):  # the recurrent and the parallel path
+            layer = _built_layer(
+                causal=True,
+                dtype="mixed_float16",
+                feature_map=SoftplusFeatureMap(dtype="mixed_float16"),
+            )
+            layer.set_weights(reference.get_weights())
+            outputs, state = layer(x[:, :length], return_state=True)
+            expected, expected_state = reference(
+                x[:, :length], return_state=True
+            )
+            self.assertDType(outputs, "float16")
+            _assert_close(outputs, expected, MIXED_RTOL["float16"])
+            for actual, wanted in zip(state, expected_state):
+                self.assertDType(actual, "float32")
+                _assert_close(actual, wanted, MIXED_RTOL["float16"])
 
     def test_hedgehog_weights_are_trainable_and_regularized(self):
         layer = _layer(
