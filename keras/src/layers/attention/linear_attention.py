@@ -120,8 +120,9 @@ class LinearAttention(Layer):
               must return non-negative values of the same shape (the layer
               does not check the values, and casts them to the accumulator
               dtype). A `Layer` is built with this layer, for the queries'
-              shape, and computes in its own dtype policy: under mixed
-              precision, give it `dtype="float32"` for float32 features. An
+              shape, and computes in its own dtype policy: give it
+              `dtype="float32"` under mixed precision (or `"float64"` in a
+              float64 layer) for features in the accumulator dtype. An
               unregistered callable works but the layer cannot be
               serialized.
         use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
@@ -467,10 +468,17 @@ class LinearAttention(Layer):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
         if isinstance(self.feature_map, Layer) and not self.feature_map.built:
-            # Built here, for the queries' shape (the first it receives),
+            # Built here, on symbolic queries (the first input it receives),
             # so that its weights exist when the layer is built
             # symbolically, as in a Functional model, and load with it.
-            self.feature_map.build((None, None, heads, self.key_dim))
+            # Called rather than `build()`, so that a map without `build()`
+            # builds its own sublayers by running, as Keras does.
+            backend.compute_output_spec(
+                self.feature_map,
+                backend.KerasTensor(
+                    (None, None, heads, self.key_dim), self.accumulator_dtype
+                ),
+            )
         if self.feature_map == "favor_plus":
             # Drawn with NumPy from `seed`: the same seed gives the same
             # features on every backend, and the weight saves them.
@@ -588,22 +596,9 @@ class LinearAttention(Layer):
                 "(`causal=True`): non-causal attention has no recurrent "
                 f"state. Received: causal={self.causal}"
             )
-        if isinstance(batch_size, numbers.Integral) and not isinstance(
-            batch_size, bool
-        ):
-            valid = batch_size >= 0
-            batch_size = int(batch_size)
-        else:
-            valid = (
-                backend.is_tensor(batch_size)
-                and len(batch_size.shape) == 0
-                and "int" in backend.standardize_dtype(batch_size.dtype)
-            )
-        if not valid:
-            raise ValueError(
-                "`batch_size` must be a non-negative integer or a scalar "
-                f"integer tensor. Received: batch_size={batch_size!r}"
-            )
+        return self._zero_state(_check_batch_size(batch_size))
+
+    def _zero_state(self, batch_size):
         return tuple(
             ops.zeros((batch_size,) + shape, dtype=self.accumulator_dtype)
             for shape in self._state_shapes()
@@ -761,7 +756,7 @@ class LinearAttention(Layer):
             state = None
         else:
             if initial_state is None:
-                initial_state = self.get_initial_state(ops.shape(inputs)[0])
+                initial_state = self._zero_state(ops.shape(inputs)[0])
             else:
                 initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
             if inputs.shape[1] == 0:
@@ -1129,12 +1124,44 @@ def _loads_back(feature_map):
     """
     try:
         config = serialization_lib.serialize_keras_object(feature_map)
+        if isinstance(config, dict):
+            # Loaded unbuilt: the class and its config are what matter.
+            config.pop("build_config", None)
+            config.pop("compile_config", None)
         loaded = serialization_lib.deserialize_keras_object(config)
     except Exception:
         return False
     if inspect.isfunction(feature_map) or inspect.isbuiltin(feature_map):
         return loaded is feature_map
     return type(loaded) is type(feature_map)
+
+
+def _check_batch_size(batch_size):
+    """`batch_size`, a Python `int` where it is an integer.
+
+    Refuses what is clearly not a batch size and passes anything else on
+    (a symbolic size while exporting with a dynamic batch, such as a
+    `torch.SymInt` or a JAX dimension expression, is neither an integer
+    nor a tensor).
+    """
+    if isinstance(batch_size, np.ndarray) and batch_size.ndim == 0:
+        batch_size = batch_size[()]
+    if isinstance(batch_size, numbers.Integral) and batch_size >= 0:
+        valid = not isinstance(batch_size, bool)
+        batch_size = int(batch_size)
+    elif batch_size is None or isinstance(batch_size, numbers.Number):
+        valid = False
+    else:
+        dtype = getattr(batch_size, "dtype", None)
+        valid = len(getattr(batch_size, "shape", ())) == 0 and (
+            dtype is None or "int" in backend.standardize_dtype(dtype)
+        )
+    if not valid:
+        raise ValueError(
+            "`batch_size` must be a non-negative integer or a scalar "
+            f"integer tensor. Received: batch_size={batch_size!r}"
+        )
+    return batch_size
 
 
 def _positive_int(name, value):

@@ -1452,6 +1452,46 @@ class LinearAttentionTest(testing.TestCase):
     # Compiled execution.
 
     @pytest.mark.requires_trainable_backend
+    def test_export_with_dynamic_batch(self):
+        # The batch size reaches the zero state as a symbolic size, neither
+        # an integer nor a tensor. (TensorFlow's `None` batch is a tensor:
+        # see `test_compiled_dynamic_lengths`.)
+        layer = _built_layer(causal=True)
+        x = _inputs()
+        expected, _ = _np_reference(layer, x)
+        if backend.backend() == "jax":
+            import jax
+            from jax import export
+
+            (batch,) = export.symbolic_shape("b")
+            exported = export.export(jax.jit(layer))(
+                jax.ShapeDtypeStruct((batch, LENGTH, INPUT_DIM), "float32")
+            )
+            _assert_close(exported.call(x), expected, FLOAT32_RTOL)
+        elif backend.backend() == "torch":
+            import torch
+
+            class Module(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.attention = layer
+
+                def forward(self, x):
+                    return self.attention(x)
+
+            exported = torch.export.export(
+                Module(),
+                # Traced with batch 3 (sizes 0 and 1 would be specialized),
+                # run with batch 2.
+                (torch.from_numpy(np.concatenate([x, x[:1]])),),
+                dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},),
+            )
+            _assert_close(
+                exported.module()(torch.from_numpy(x)), expected, FLOAT32_RTOL
+            )
+        else:
+            self.skipTest("TensorFlow: a `None` batch is a tensor.")
+
     def test_compiled_dynamic_lengths(self):
         x = _inputs()
         lengths = (LENGTH, 9)
@@ -1884,6 +1924,26 @@ class LinearAttentionTest(testing.TestCase):
 
         expected, _ = _np_reference(first.layers[1], x, feature=scaled_softplus)
         _assert_close(first(x), expected, FLOAT32_RTOL)
+
+    def test_feature_map_layer_without_build(self):
+        # A map whose sublayer is built by running it (it has no `build()`)
+        # is built with the layer too, without Keras's unbuilt-state
+        # warning.
+        class DenseFeatureMap(layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.dense = layers.Dense(KEY_DIM)
+
+            def call(self, x):
+                return ops.softplus(self.dense(x))
+
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(causal=True, feature_map=DenseFeatureMap())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model = models.Model(inputs, layer(inputs))
+        self.assertTrue(layer.feature_map.dense.built)
+        self.assertLen(model.weights, 10)  # 8 of the projections, 2 map's
 
     def test_feature_map_layer_under_mixed_precision(self):
         # A map `Layer` made under a mixed policy computes in float16: its
