@@ -56,13 +56,14 @@ class LinearAttention(Layer):
     computes the attention above per head, and projects the concatenated
     head outputs back with a fourth `EinsumDense` (`attention_output`).
     Feature maps, state and sums run in float32 for float16, bfloat16 and
-    float32 compute dtypes (float64 stays float64); the outputs are returned
-    in the layer's compute dtype.
+    float32 compute dtypes (float64 stays float64; on JAX that needs
+    `jax_enable_x64`); the outputs are returned in the layer's compute
+    dtype.
 
     The built-in feature maps are chosen by name, and their one size
     (`num_features`, for the random-feature and learnable maps) is a plain
-    argument: the configuration stays a flat dictionary of strings and
-    numbers, and a map's weights (`random_features`, `feature_map_kernel`)
+    argument: the map's part of the configuration is a name and a number,
+    and a map's weights (`random_features`, `feature_map_kernel`)
     belong to the layer like its projections. Other maps are passed as
     registered callables or layers.
 
@@ -142,13 +143,14 @@ class LinearAttention(Layer):
         execution_mode: The algorithm for causal attention; it never changes
             weights, configuration or (beyond floating-point rounding)
             results. `"recurrent"` scans over time steps with
-            `keras.ops.scan` (the reference, used for streaming single
-            tokens). `"parallel"` uses the chunkwise form: a masked
-            `(chunk, chunk)` product inside chunks of a fixed size and the
-            carried state across them. `"auto"` (the default) picks
-            `"recurrent"` for single-step inputs and `"parallel"`
-            otherwise. Non-causal attention has one algorithm (sums over
-            the sequence) whatever this value is.
+            `keras.ops.scan` (a `tf.while_loop` on TensorFlow; the
+            reference, used for streaming single tokens). `"parallel"`
+            uses the chunkwise form: a masked `(chunk, chunk)` product
+            inside chunks of a fixed size and the carried state across
+            them. `"auto"` (the default) picks `"recurrent"` for
+            single-step inputs and `"parallel"` otherwise. Non-causal
+            attention has one algorithm (sums over the sequence) whatever
+            this value is.
         kernel_initializer: Initializer for dense layer kernels.
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
