@@ -121,11 +121,12 @@ class LinearAttention(Layer):
               must return non-negative values of the same shape (the layer
               does not check the values, and casts them to the accumulator
               dtype). A `Layer` is built with this layer, for the queries'
-              shape, and computes in its own dtype policy: give it
-              `dtype="float32"` under mixed precision (or `"float64"` in a
-              float64 layer) for features in the accumulator dtype. An
-              unregistered callable works but the layer cannot be
-              serialized.
+              shape (weights per head therefore need `num_key_value_heads`
+              equal to `num_heads`), and computes in its own dtype policy:
+              give it `dtype="float32"` under mixed precision (or
+              `"float64"` in a float64 layer) for features in the
+              accumulator dtype. An unregistered callable works but the
+              layer cannot be serialized.
         use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
             normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -1038,16 +1039,16 @@ class LinearAttention(Layer):
     def get_config(self):
         feature_map = self.feature_map
         if not isinstance(feature_map, str):
-            if not _loads_back(feature_map):
+            error = _loading_error(feature_map)
+            if error is not None:
                 raise ValueError(
-                    "Cannot serialize `LinearAttention` with an unregistered "
-                    f"`feature_map` callable ({feature_map!r}). Register it "
-                    "with `@keras.saving.register_keras_serializable()` so "
-                    "that it can be saved and loaded (a callable object "
-                    "also needs `get_config()` and `from_config()`). "
-                    "Received: "
-                    f"feature_map={feature_map!r}"
-                )
+                    "Cannot serialize `LinearAttention`: its `feature_map` "
+                    "callable would not load back. Register it with "
+                    "`@keras.saving.register_keras_serializable()` so that "
+                    "it can be saved and loaded (a callable object also "
+                    "needs `get_config()` and `from_config()`). Received: "
+                    f"feature_map={feature_map!r} ({error})"
+                ) from None
             feature_map = serialization_lib.serialize_keras_object(feature_map)
         config = {
             "num_heads": self.num_heads,
@@ -1115,14 +1116,14 @@ class _UncastState:
         self.state = state
 
 
-def _loads_back(feature_map):
-    """Whether a `feature_map` callable saves and loads.
+def _loading_error(feature_map):
+    """Why a `feature_map` callable would not save and load, or `None`.
 
-    A function must load as itself: true for registered functions and for
-    Keras's own (such as `keras.activations.softplus`, saved by name). A
-    `Layer` or other callable object must load as an object of its class:
-    true for registered classes and Keras's layers. False for the others,
-    which could be saved but not loaded.
+    A function must load as itself: it does for registered functions and
+    for Keras's own (such as `keras.activations.softplus`, saved by name).
+    A `Layer` or other callable object must load as an object of its
+    class: it does for registered classes and Keras's layers (and for
+    others inside a `keras.saving.custom_object_scope`).
     """
     try:
         config = serialization_lib.serialize_keras_object(feature_map)
@@ -1131,11 +1132,15 @@ def _loads_back(feature_map):
             config.pop("build_config", None)
             config.pop("compile_config", None)
         loaded = serialization_lib.deserialize_keras_object(config)
-    except Exception:
-        return False
+    except Exception as error:
+        # Its first sentence (Keras's go on with the whole config).
+        return f"{type(error).__name__}: {str(error).split('. ')[0]}"
     if inspect.isfunction(feature_map) or inspect.isbuiltin(feature_map):
-        return loaded is feature_map
-    return type(loaded) is type(feature_map)
+        if loaded is not feature_map:
+            return f"it would load as {loaded!r}"
+    elif type(loaded) is not type(feature_map):
+        return f"it would load as {type(loaded).__name__}"
+    return None
 
 
 def _check_batch_size(batch_size):
@@ -1151,7 +1156,9 @@ def _check_batch_size(batch_size):
     if isinstance(batch_size, numbers.Integral) and batch_size >= 0:
         valid = not isinstance(batch_size, bool)
         batch_size = int(batch_size)
-    elif batch_size is None or isinstance(batch_size, numbers.Number):
+    elif batch_size is None or isinstance(
+        batch_size, (numbers.Number, str, bytes, list, tuple, dict)
+    ):
         valid = False
     else:
         dtype = getattr(batch_size, "dtype", None)

@@ -1165,10 +1165,16 @@ class LinearAttentionTest(testing.TestCase):
                 _layer(feature_map=feature_map).get_config()
 
     def test_registered_callable_object_as_feature_map(self):
-        layer = _layer(causal=True, feature_map=PowerFeatureMap(3))
+        layer = _built_layer(causal=True, feature_map=PowerFeatureMap(3))
         revived = LinearAttention.from_config(layer.get_config())
         self.assertIsInstance(revived.feature_map, PowerFeatureMap)
-        self.assertEqual(revived.feature_map.power, 3)
+        revived.build((None, None, INPUT_DIM))
+        revived.set_weights(layer.get_weights())
+        x = _inputs()
+        expected, _ = _np_reference(
+            layer, x, feature=lambda f: np.maximum(f, 0.0) ** 3 + 1.0
+        )
+        _assert_close(revived(x), expected, FLOAT32_RTOL)
 
     def test_keras_function_as_feature_map(self):
         layer = _layer(feature_map=activations.softplus)
@@ -1451,7 +1457,6 @@ class LinearAttentionTest(testing.TestCase):
 
     # Compiled execution.
 
-    @pytest.mark.requires_trainable_backend
     def test_export_with_dynamic_batch(self):
         # The batch size reaches the zero state as a symbolic size, neither
         # an integer nor a tensor. (TensorFlow's `None` batch is a tensor:
@@ -1492,6 +1497,7 @@ class LinearAttentionTest(testing.TestCase):
         else:
             self.skipTest("TensorFlow: a `None` batch is a tensor.")
 
+    @pytest.mark.requires_trainable_backend
     def test_compiled_dynamic_lengths(self):
         x = _inputs()
         lengths = (LENGTH, 9)
@@ -1612,7 +1618,7 @@ class LinearAttentionTest(testing.TestCase):
             _layer()([x, x])
         with self.assertRaises((TypeError, ValueError)):
             _layer()(query=x, value=x)
-        for batch_size in (None, 2.0, -1, True, np.ones((2,), "int32")):
+        for batch_size in (None, 2.0, -1, True, "2", [2], np.ones((2,))):
             with self.assertRaisesRegex(ValueError, "batch_size"):
                 layer.get_initial_state(batch_size)
         for batch_size in (np.int64(3), ops.convert_to_tensor(3)):
