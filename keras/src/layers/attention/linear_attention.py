@@ -867,7 +867,7 @@ class LinearAttention(Layer):
         batch, length = ops.shape(query)[:2]
         # Pad to a whole number of chunks. Padded keys and values are zero,
         # so they change neither outputs nor state; their outputs are cut.
-        padding = (-length) % chunk
+        padding = _padding(length, chunk)
 
         def to_chunks(x, group):
             """`(b, t, heads, f)` -> `(b * kv heads * chunks, g * c, f)`.
@@ -1307,7 +1307,7 @@ def _exclusive_prefix_sum(initial, summaries):
     block = _PREFIX_BLOCK
     if isinstance(chunks, int):
         block = min(block, chunks)
-    padding = (-chunks) % block
+    padding = _padding(chunks, block)
     summaries = _append_zeros(summaries, padding)
     summaries = ops.reshape(summaries, (rows, -1, block, features))
     # The blocks as one batch axis, with the matrix of ones broadcast along
@@ -1345,6 +1345,17 @@ def _exclusive_prefix_sum(initial, summaries):
         ops.reshape(totals[:, -1], ops.shape(initial)),
         ops.reshape(entering, shape),
     )
+
+
+def _padding(size, multiple):
+    """How many entries make `size` a multiple of `multiple`.
+
+    `multiple * ceil(size / multiple) - size` rather than `-size %
+    multiple`: with a symbolic size (`jax.export`, and so `model.export()`
+    on JAX, with an unknown sequence length) the padded size is then
+    visibly a multiple, which the reshapes into chunks and blocks need.
+    """
+    return multiple * (-(-size // multiple)) - size
 
 
 def _append_zeros(x, count):

@@ -1457,22 +1457,24 @@ class LinearAttentionTest(testing.TestCase):
 
     # Compiled execution.
 
-    def test_export_with_dynamic_batch(self):
-        # The batch size reaches the zero state as a symbolic size, neither
-        # an integer nor a tensor. (TensorFlow's `None` batch is a tensor:
-        # see `test_compiled_dynamic_lengths`.)
+    def test_export_with_dynamic_shapes(self):
+        # Symbolic sizes reach the zero state (the batch) and the padding to
+        # whole chunks (the length): neither is an integer nor a tensor.
+        # (TensorFlow's `None` sizes are tensors: see
+        # `test_compiled_dynamic_lengths`.)
         layer = _built_layer(causal=True)
         x = _inputs()
-        expected, _ = _np_reference(layer, x)
         if backend.backend() == "jax":
             import jax
             from jax import export
 
-            (batch,) = export.symbolic_shape("b")
+            batch, length = export.symbolic_shape("b, t")
             exported = export.export(jax.jit(layer))(
-                jax.ShapeDtypeStruct((batch, LENGTH, INPUT_DIM), "float32")
+                jax.ShapeDtypeStruct((batch, length, INPUT_DIM), "float32")
             )
-            _assert_close(exported.call(x), expected, FLOAT32_RTOL)
+            for inputs in (x, x[:, :9]):
+                expected, _ = _np_reference(layer, inputs)
+                _assert_close(exported.call(inputs), expected, FLOAT32_RTOL)
         elif backend.backend() == "torch":
             import torch
 
@@ -1484,6 +1486,7 @@ class LinearAttentionTest(testing.TestCase):
                 def forward(self, x):
                     return self.attention(x)
 
+            # A dynamic batch only: `torch.export` specializes the length.
             exported = torch.export.export(
                 Module(),
                 # Traced with batch 3 (sizes 0 and 1 would be specialized),
@@ -1491,11 +1494,32 @@ class LinearAttentionTest(testing.TestCase):
                 (torch.from_numpy(np.concatenate([x, x[:1]])),),
                 dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},),
             )
+            expected, _ = _np_reference(layer, x)
             _assert_close(
                 exported.module()(torch.from_numpy(x)), expected, FLOAT32_RTOL
             )
         else:
-            self.skipTest("TensorFlow: a `None` batch is a tensor.")
+            self.skipTest("TensorFlow: `None` sizes are tensors.")
+
+    @pytest.mark.skipif(
+        backend.backend() not in ("jax", "tensorflow"),
+        reason="`model.export()` to a SavedModel needs TensorFlow or JAX.",
+    )
+    def test_saved_model_export(self):
+        # A Functional model exported for serving, with unknown batch and
+        # length (on JAX, symbolic shapes through `jax2tf`).
+        import tensorflow as tf
+
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(causal=True)
+        model = models.Model(inputs, layer(inputs))
+        path = os.path.join(self.get_temp_dir(), "exported")
+        model.export(path, format="tf_saved_model", verbose=False)
+        served = tf.saved_model.load(path)
+        x = _inputs()
+        for inputs in (x, x[:1, :9]):
+            expected, _ = _np_reference(layer, inputs)
+            _assert_close(served.serve(inputs), expected, FLOAT32_RTOL)
 
     @pytest.mark.requires_trainable_backend
     def test_compiled_dynamic_lengths(self):
