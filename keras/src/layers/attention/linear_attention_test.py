@@ -2029,10 +2029,10 @@ class LinearAttentionTest(testing.TestCase):
         )
         kernel = layer.feature_map_kernel
         constrained = backend.convert_to_numpy(kernel.constraint(kernel.value))
-        self.assertAllClose(
+        _assert_close(
             np.linalg.norm(constrained, axis=1),
             np.ones((kernel.shape[0], kernel.shape[2])),
-            atol=1e-6,
+            FLOAT32_RTOL,
         )
 
     def test_feature_map_weights_are_not_autocast(self):
