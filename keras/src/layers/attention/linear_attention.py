@@ -6,6 +6,7 @@ import numpy as np
 
 from keras.src import backend
 from keras.src import constraints
+from keras.src import dtype_policies
 from keras.src import initializers
 from keras.src import ops
 from keras.src import regularizers
@@ -59,6 +60,16 @@ class LinearAttention(Layer):
     float32 compute dtypes (float64 stays float64; on JAX that needs
     `jax_enable_x64`); the outputs are returned in the layer's compute
     dtype.
+
+    The projections are the properties `query_dense`, `key_dense`,
+    `value_dense` and `output_dense`. LoRA (`enable_lora()` on them) and
+    quantization (`Model.quantize()`, or a `DTypePolicyMap` with entries
+    such as `"<layer name>/query"`) apply to them as in
+    `MultiHeadAttention`; the attention core and its state keep the
+    accumulator dtype. The layer's configuration records the policies of
+    projections quantized after they were built (as a `DTypePolicyMap`
+    `dtype`), so that a quantized Functional or Sequential model saves and
+    loads as a `.keras` file.
 
     The built-in feature maps are chosen by name, and their one size
     (`num_features`, for the random-feature and learnable maps) is a plain
@@ -444,9 +455,27 @@ class LinearAttention(Layer):
             return "float64"
         return "float32"
 
+    @property
+    def query_dense(self):
+        return self._query_dense
+
+    @property
+    def key_dense(self):
+        return self._key_dense
+
+    @property
+    def value_dense(self):
+        return self._value_dense
+
+    @property
+    def output_dense(self):
+        return self._output_dense
+
     def build(self, input_shape):
         _check_input_shape(input_shape)
         input_dim = input_shape[-1]
+        # The projections' input width: other widths are refused by `call`.
+        self._input_dim = input_dim
         output_dim = self._output_shape or input_dim
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
@@ -546,12 +575,51 @@ class LinearAttention(Layer):
         )
 
     def _projection(self, name, equation, output_shape, bias_axes):
+        kwargs = self._get_common_kwargs_for_sublayer()
+        if isinstance(kwargs["dtype"], dtype_policies.DTypePolicyMap):
+            # The projection's own entry (or the map's default), given as
+            # a policy: upstream's `EinsumDense` (Keras 3.15) holding the
+            # map itself fails to quantize ("Cannot convert 'map_float32'")
+            # and, quantized by the map, saves no kernel scale.
+            kwargs["dtype"] = kwargs["dtype"][f"{self.path}/{name}"]
         return EinsumDense(
             equation,
             output_shape=output_shape,
             bias_axes=bias_axes if self.use_bias else None,
             name=name,
-            **self._get_common_kwargs_for_sublayer(),
+            **kwargs,
+        )
+
+    def _projection_policies(self):
+        """The layer's dtype policy, with the projections' where they differ.
+
+        A projection quantized after it was built (`Model.quantize()`) has
+        its own policy, which the layer's configuration must carry to
+        rebuild it with its variables: as a `DTypePolicyMap` entry for its
+        path, which `_projection` reads.
+        """
+        policy = self.dtype_policy
+        if not self.built:
+            return policy
+        is_map = isinstance(policy, dtype_policies.DTypePolicyMap)
+        differs = {
+            dense.path: dense.dtype_policy
+            for dense in (
+                self._query_dense,
+                self._key_dense,
+                self._value_dense,
+                self._output_dense,
+            )
+            if dense.dtype_policy.name
+            != (policy[dense.path] if is_map else policy).name
+        }
+        if not differs:
+            return policy
+        if not is_map:
+            return dtype_policies.DTypePolicyMap(policy, differs)
+        entries = {key: policy[key] for key in policy}
+        return dtype_policies.DTypePolicyMap(
+            policy.default_policy, {**entries, **differs}
         )
 
     def _get_common_kwargs_for_sublayer(self):
@@ -667,6 +735,17 @@ class LinearAttention(Layer):
         return ops.cast(self.feature_map(x), x.dtype)
 
     def __call__(self, *args, **kwargs):
+        names = list(self._call_signature.parameters)
+        if 1 < len(args) <= len(names) and not set(names[1 : len(args)]) & set(
+            kwargs
+        ):
+            # Everything after `inputs` by keyword: for a call with one
+            # tensor argument, `Layer.__call__` (Keras 3.15) passes the
+            # inputs' mask as `mask=` even when `mask` was given by
+            # position, so that `layer(x, None)` or `layer(x, mask)` failed
+            # with "got multiple values for argument 'mask'".
+            kwargs = {**dict(zip(names[1:], args[1:])), **kwargs}
+            args = args[:1]
         # `Layer.__call__` casts every floating argument to the compute
         # dtype: under mixed precision, a float32 state carried from the
         # last call would reach `call` rounded to float16 or bfloat16 (and a
@@ -681,7 +760,6 @@ class LinearAttention(Layer):
             == self.accumulator_dtype
         ):
             return super().__call__(*args, **kwargs)
-        names = list(self._call_signature.parameters)
         # Context arguments (`training`) that `call` does not take are
         # dropped by `Layer.__call__`; left out of the binding here too.
         bound_kwargs = {
@@ -702,9 +780,8 @@ class LinearAttention(Layer):
             for x in (arguments[names[0]], *initial_state)
         ):
             return super().__call__(*args, **kwargs)
-        # From the state on by keyword: only tensors go by position.
-        position = names.index("initial_state")
-        kwargs = {**kwargs, **dict(zip(names[position:], args[position:]))}
+        # Bound, so `initial_state` is a keyword argument here (arguments
+        # after `inputs` were made keywords above).
         with backend.AutocastScope(None):
             kwargs["initial_state"] = _UncastState(
                 tuple(
@@ -712,7 +789,7 @@ class LinearAttention(Layer):
                     for x in initial_state
                 )
             )
-        return super().__call__(*args[:position], **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def call(
         self,
@@ -793,6 +870,10 @@ class LinearAttention(Layer):
             outputs = ops.where(
                 mask[:, :, None], outputs, ops.zeros_like(outputs)
             )
+        if backend.standardize_dtype(outputs.dtype) != self.compute_dtype:
+            # The output projection's own policy may differ (a
+            # `DTypePolicyMap` entry): the layer returns its compute dtype.
+            outputs = ops.cast(outputs, self.compute_dtype)
         if return_state:
             return outputs, state
         return outputs
@@ -944,6 +1025,12 @@ class LinearAttention(Layer):
         if isinstance(inputs, (list, tuple, dict)):
             _check_input_shape(tree.map_structure(ops.shape, inputs))
         _check_input_shape(tuple(inputs.shape))
+        if self.built and inputs.shape[-1] != self._input_dim:
+            raise ValueError(
+                "The last dimension of `inputs` (input_dim) must be the one "
+                f"the layer was built with, {self._input_dim}. Received: "
+                f"inputs with shape {tuple(inputs.shape)}"
+            )
         dtype = backend.standardize_dtype(inputs.dtype)
         if not backend.is_float_dtype(dtype):
             raise ValueError(
@@ -1005,6 +1092,27 @@ class LinearAttention(Layer):
                     f"tensor (it is used as {self.accumulator_dtype}). "
                     f"Received: {name} with dtype={dtype}"
                 )
+
+    def compute_mask(self, inputs, previous_mask):
+        # The mask the layer applied, as a `(batch_size, sequence_length)`
+        # boolean tensor: a broadcastable or 0/1 mask passed on as given
+        # would reach the next layer in a form it may misread (e.g. a
+        # `(batch_size, 1)` mask makes `GlobalAveragePooling1D` divide by 1
+        # instead of the number of steps).
+        if previous_mask is None or inputs is None:
+            return previous_mask
+        mask = _standardize_mask(previous_mask, inputs)
+        if isinstance(mask, backend.KerasTensor) and (
+            mask.dtype != "bool" or mask.shape != inputs.shape[:2]
+        ):
+            # Symbolic (a Functional model records this mask for the next
+            # layers): broadcast by a `logical_and`, which allows unknown
+            # dimensions, unlike `broadcast_to`.
+            mask = ops.logical_and(
+                ops.not_equal(mask, 0),
+                ops.ones_like(inputs[:, :, 0], dtype="bool"),
+            )
+        return mask
 
     def compute_output_shape(self, input_shape):
         _check_input_shape(input_shape)
@@ -1080,6 +1188,9 @@ class LinearAttention(Layer):
             "num_features": self.num_features,
         }
         base_config = super().get_config()
+        base_config["dtype"] = dtype_policies.serialize(
+            self._projection_policies()
+        )
         return {**base_config, **config}
 
     @classmethod
@@ -1211,8 +1322,28 @@ def _standardize_mask(mask, inputs):
     """
     if mask is None:
         return None
+    original = mask
     if not hasattr(mask, "shape"):
-        mask = ops.convert_to_tensor(mask)
+        try:
+            mask = ops.convert_to_tensor(mask)
+        except Exception:
+            # E.g. a state passed by position, `layer(x, state)`: the
+            # second positional argument is `mask`.
+            mask = None
+    try:
+        dtype = backend.standardize_dtype(mask.dtype)
+    except (AttributeError, ValueError):
+        dtype = None
+    if dtype is None or not (
+        dtype == "bool" or "int" in dtype or backend.is_float_dtype(dtype)
+    ):
+        raise ValueError(
+            "`mask` must be a boolean (or 0/1 numeric) tensor of shape "
+            "(batch_size, sequence_length). A state is passed as "
+            "`initial_state=`. Received: mask of type "
+            f"{type(original).__name__}"
+            + ("" if dtype is None else f" with dtype {dtype}")
+        )
     shape = tuple(mask.shape)
     compatible = len(shape) == 2 and all(
         dim is None or dim == 1 or other is None or dim == other

@@ -11,12 +11,14 @@ from absl.testing import parameterized
 from keras.src import activations
 from keras.src import backend
 from keras.src import constraints
+from keras.src import dtype_policies
 from keras.src import layers
 from keras.src import models
 from keras.src import ops
 from keras.src import regularizers
 from keras.src import saving
 from keras.src import testing
+from keras.src import tree
 from keras.src.layers.attention import linear_attention
 from keras.src.layers.attention.linear_attention import LinearAttention
 from keras.src.models import cloning
@@ -46,6 +48,11 @@ FINITE_DIFFERENCE_RTOL = 1e-6
 # (bfloat16) significant bits, i.e. ~5e-4 and ~4e-3 relative error per
 # rounding, a few roundings deep.
 MIXED_RTOL = {"float16": 5e-3, "bfloat16": 4e-2}
+# int8-quantized projections vs the same float32 weights: kernels and
+# activations are rounded to 1/254 of their per-channel or per-token range
+# (up to ~0.4% each), through two projections in a row; a quantized path
+# that dropped the scales or a projection would be off by far more.
+INT8_RTOL = 3e-2
 
 BATCH, LENGTH, INPUT_DIM = 2, 70, 8
 # Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
@@ -945,6 +952,44 @@ class LinearAttentionTest(testing.TestCase):
                 attention.compute_mask(None, tokens != 0), tokens != 0
             )
 
+    def test_propagated_mask_is_the_applied_mask(self):
+        # A broadcastable or 0/1 mask reaches the next layers as the
+        # (batch, sequence_length) boolean mask the layer applied (passed
+        # on as given, a (batch, 1) mask made the average below T times
+        # too large).
+        layer = _built_layer(causal=True)
+        x = _inputs()
+        cases = {
+            "column": np.ones((BATCH, 1), bool),
+            "row": np.arange(LENGTH)[None] % 3 != 0,
+            "numeric": (np.arange(LENGTH)[None] < [[LENGTH], [40]]).astype(
+                "float32"
+            ),
+        }
+        for name, mask in cases.items():
+            valid = np.broadcast_to(mask != 0, (BATCH, LENGTH))
+            y = layer(x, mask=mask)
+            propagated = backend.get_keras_mask(y)
+            self.assertDType(propagated, "bool")
+            self.assertAllEqual(propagated, valid, name)
+            # Read by the next layer: the mean over the valid steps.
+            pooled = layers.GlobalAveragePooling1D()(y)
+            y = backend.convert_to_numpy(y)
+            expected = [y[i][valid[i]].mean(axis=0) for i in range(BATCH)]
+            self.assertAllClose(pooled, np.stack(expected), msg=name)
+        # Symbolic: what a Functional model records for the next layer.
+        inputs = layers.Input((None, INPUT_DIM))
+        mask_input = layers.Input((1,), dtype="bool")
+        outputs = layer(inputs, mask=mask_input)
+        self.assertEqual(backend.get_keras_mask(outputs).shape, (None, None))
+        model = models.Model(
+            [inputs, mask_input], layers.GlobalAveragePooling1D()(outputs)
+        )
+        self.assertAllClose(
+            model([x, np.ones((BATCH, 1), bool)]),
+            np.mean(backend.convert_to_numpy(layer(x)), axis=1),
+        )
+
     # State.
 
     def test_state_shape_and_dtype(self):
@@ -1199,6 +1244,133 @@ class LinearAttentionTest(testing.TestCase):
         # Chunked inference matches full inference with dropout configured.
         streamed, _ = _stream(layer, x, [30, 40])
         _assert_close(streamed, inference, FLOAT32_PARITY_RTOL)
+
+    def test_positional_call_arguments(self):
+        # `mask`, `initial_state` and `return_state` by position give the
+        # same as by keyword, also under mixed precision (`Layer.__call__`
+        # added `mask=` for a call with one tensor argument, a second value
+        # for a mask given by position).
+        x = _inputs()
+        mask = np.arange(LENGTH)[None] < [[LENGTH], [40]]
+        for dtype in ("float32", "mixed_bfloat16"):
+            layer = _built_layer(causal=True, dtype=dtype)
+            state = layer.get_initial_state(BATCH)
+            self.assertAllEqual(layer(x, None), layer(x))
+            self.assertAllEqual(layer(x, mask), layer(x, mask=mask))
+            self.assertAllEqual(
+                layer(x, None, initial_state=state),
+                layer(x, initial_state=state),
+            )
+            by_position = layer(x, mask, state, True)
+            by_keyword = layer(
+                x, mask=mask, initial_state=state, return_state=True
+            )
+            for actual, expected in zip(
+                tree.flatten(by_position), tree.flatten(by_keyword)
+            ):
+                self.assertAllEqual(actual, expected)
+
+    def test_lora(self):
+        # LoRA through the projections, as for MultiHeadAttention.
+        x = _inputs()
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(causal=True)
+        model = models.Model(inputs, layer(inputs))
+        before = model(x)
+        projections = (
+            layer.query_dense,
+            layer.key_dense,
+            layer.value_dense,
+            layer.output_dense,
+        )
+        for dense in projections:
+            dense.enable_lora(2)
+        # Per projection: the bias and the two adapters train; the kernel is
+        # frozen. The adapters start at zero.
+        self.assertLen(layer.trainable_weights, 12)
+        self.assertLen(layer.non_trainable_weights, 4)
+        self.assertAllClose(model(x), before)
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, np.ones((BATCH, LENGTH, INPUT_DIM)), epochs=2, verbose=0)
+        expected = backend.convert_to_numpy(model(x))
+        self.assertNotAllClose(expected, before)
+        path = os.path.join(self.get_temp_dir(), "lora.keras")
+        model.save(path)
+        self.assertAllClose(saving.load_model(path)(x), expected)
+        # The weights file loads into a model without LoRA.
+        path = os.path.join(self.get_temp_dir(), "lora.weights.h5")
+        model.save_weights(path)
+        plain = models.Model(inputs, _layer(causal=True)(inputs))
+        plain.load_weights(path)
+        self.assertAllClose(plain(x), expected)
+
+    @parameterized.named_parameters(("int8", "int8"), ("int4", "int4"))
+    def test_quantized_projections(self, mode):
+        # `Model.quantize` quantizes the four projections; the attention
+        # core and its state are unchanged, so that full, chunked and
+        # token-by-token runs still agree.
+        x = _inputs()
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(causal=True)
+        model = models.Model(inputs, layer(inputs))
+        float_outputs = backend.convert_to_numpy(model(x))
+        weights = model.get_weights()
+        model.quantize(mode)
+        kernel_dtype = "int8"  # int4 values are packed in pairs into int8.
+        for dense in (layer.query_dense, layer.output_dense):
+            self.assertEqual(dense.quantization_mode, mode)
+            self.assertDType(dense._kernel, kernel_dtype)
+        y = model(x)
+        self.assertDType(y, "float32")
+        if mode == "int8":
+            _assert_close(y, float_outputs, INT8_RTOL)
+        streamed, _ = _stream(layer, x, [1, 30, 39])
+        _assert_close(streamed, y, FLOAT32_PARITY_RTOL)
+        layer.execution_mode = "recurrent"
+        _assert_close(layer(x), y, FLOAT32_PARITY_RTOL)
+        layer.execution_mode = "auto"
+        # The layer's config carries the projections' policies (unlike
+        # MultiHeadAttention's), so that the model loads quantized, and
+        # saves again.
+        path = os.path.join(self.get_temp_dir(), "quantized.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        self.assertEqual(loaded.layers[1].query_dense.quantization_mode, mode)
+        self.assertAllClose(loaded(x), y)
+        loaded.save(path)
+        self.assertAllClose(saving.load_model(path)(x), y)
+        # Weights load into a model quantized the same way.
+        path = os.path.join(self.get_temp_dir(), "quantized.weights.h5")
+        model.save_weights(path)
+        fresh = models.Model(inputs, _layer(causal=True)(inputs))
+        fresh.set_weights(weights)
+        fresh.quantize(mode)
+        fresh.load_weights(path)
+        self.assertAllClose(fresh(x), y)
+
+    def test_dtype_policy_map(self):
+        # Per-projection policies by path, as for MultiHeadAttention; the
+        # layer returns its own compute dtype whatever the output
+        # projection's.
+        policy_map = dtype_policies.DTypePolicyMap()
+        quantized = dtype_policies.QuantizedDTypePolicy("int8", "float32")
+        for name in ("query", "key", "value"):
+            policy_map[f"attention/{name}"] = quantized
+        policy_map["attention/attention_output"] = dtype_policies.get("float16")
+        layer = _layer(causal=True, dtype=policy_map, name="attention")
+        layer.build((None, None, INPUT_DIM))
+        for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
+            self.assertDType(dense._kernel, "int8")
+        self.assertDType(layer.output_dense.kernel, "float16")
+        x = _inputs()
+        self.assertDType(layer(x), "float32")
+        spec = layer.compute_output_spec(backend.KerasTensor((2, 5, 8)))
+        self.assertEqual(spec.dtype, "float32")
+        # Streamed and full outputs differ by float32 rounding before the
+        # float16 output projection, which can flip its last bit.
+        _assert_close(
+            _stream(layer, x, [30, 40])[0], layer(x), MIXED_RTOL["float16"]
+        )
 
     # Precision.
 
@@ -1642,6 +1814,17 @@ class LinearAttentionTest(testing.TestCase):
             _layer()([x, x])
         with self.assertRaises((TypeError, ValueError)):
             _layer()(query=x, value=x)
+        # Not a mask: e.g. a state passed by position (the second positional
+        # argument is `mask`).
+        for mask in (layer.get_initial_state(BATCH), "abc", {"mask": 1}):
+            with self.assertRaisesRegex(ValueError, "`mask` must be"):
+                layer(x, mask)
+        # Another input width than the layer was built with (TensorFlow's
+        # einsum used to fold it into the batch axis silently).
+        built = _built_layer(causal=True)
+        for inputs in (_inputs((BATCH, 5, 6)), layers.Input((None, 6))):
+            with self.assertRaisesRegex(ValueError, "built with, 8"):
+                built(inputs)
         for batch_size in (None, 2.0, -1, True, "2", [2], np.ones((2,))):
             with self.assertRaisesRegex(ValueError, "batch_size"):
                 layer.get_initial_state(batch_size)
