@@ -116,6 +116,13 @@ class LinearAttention(Layer):
               gives the same features on every backend and a saved model
               reloads with them. It is not redrawn during training unless
               `redraw_random_features()` is called.
+              The estimate degrades for keys of large norm: their features
+              shrink like `exp(-|k'|^2 / 2)` (and underflow in float32), and
+              where `phi(q) . z` becomes small against
+              `normalization_epsilon`, outputs shrink towards zero, first
+              in causal layers, whose early steps sum few keys. Keep the
+              layer's inputs normalized (e.g. with `LayerNormalization`);
+              a smaller `normalization_epsilon` widens the usable range.
             - `"hedgehog"`: a learnable map ([Zhang et al., 2024](
               https://arxiv.org/abs/2402.04347)), `softmax([x W, -x W])`
               over the features, with a trainable `(key_dim,
@@ -704,12 +711,14 @@ class LinearAttention(Layer):
             exponent = exponent - 0.5 * ops.sum(
                 ops.square(x), axis=-1, keepdims=True
             )
-            if is_query and self.use_normalizer:
+            if is_query and self.use_normalizer and x.shape[1] != 0:
                 # A factor per query token, which cancels between numerator
                 # and denominator (up to `normalization_epsilon`): its
                 # largest feature becomes 1 / sqrt(m). Taken per token,
                 # never over the sequence, so that full, chunked and
-                # token-by-token runs agree.
+                # token-by-token runs agree. (Skipped for an empty
+                # sequence: upstream's TensorFlow and PyTorch `max` refuse
+                # a tensor with a zero-sized axis.)
                 exponent = exponent - ops.max(exponent, axis=-1, keepdims=True)
             # min(exponent, cap); `ops.minimum` would demote float64 on torch.
             exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
@@ -810,8 +819,13 @@ class LinearAttention(Layer):
         if mask is None:
             mask = input_mask
         mask = _standardize_mask(mask, inputs)
-        if input_mask is not None:
-            backend.set_keras_mask(inputs, None)
+        if mask is not None:
+            # Padding may hold anything (inf, nan): zeroed before the
+            # projections, whose backward pass would otherwise carry it
+            # into the weight gradients (0 * nan is nan). The new tensor
+            # has no mask attached: the projections neither see nor warn
+            # about it.
+            inputs = ops.where(mask[:, :, None], inputs, ops.zeros_like(inputs))
         dtype = self.accumulator_dtype
         # (batch, time, heads, features or value_dim), accumulator dtype;
         # keys and values have `num_key_value_heads` heads.
@@ -822,11 +836,9 @@ class LinearAttention(Layer):
             ops.cast(self._key_dense(inputs), dtype), is_query=False
         )
         value = ops.cast(self._value_dense(inputs), dtype)
-        if input_mask is not None:
-            backend.set_keras_mask(inputs, input_mask)
         if mask is not None:
-            # Masked after the feature map (elu(0) + 1 is not 0), with
-            # `where` so that inf/nan in padding cannot leak through.
+            # Masked after the feature map (elu(0) + 1 is not 0, and the
+            # projections add their biases).
             step_mask = mask[:, :, None, None]
             key = ops.where(step_mask, key, ops.zeros_like(key))
             value = ops.where(step_mask, value, ops.zeros_like(value))

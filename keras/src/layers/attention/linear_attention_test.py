@@ -904,6 +904,16 @@ class LinearAttentionTest(testing.TestCase):
             for i, n in enumerate(lengths):
                 alone = layer(x[i : i + 1, :n])
                 _assert_close(y[i : i + 1][:, mask[i]], alone, FLOAT32_RTOL)
+            # Nor into the gradients: the same as with zero padding (a
+            # projection of nan padding made every weight gradient nan).
+            upstream = _inputs(padded.shape, seed=2)
+            zero_padded = np.where(mask[:, :, None], padded, 0.0)
+            expected = _gradients(layer, zero_padded, upstream, mask=mask)
+            actual = _gradients(layer, padded, upstream, mask=mask)
+            for actual_gradient, expected_gradient in zip(actual, expected):
+                _assert_close(
+                    actual_gradient, expected_gradient, FLOAT32_GRADIENT_RTOL
+                )
 
     def test_masked_steps_leave_state_unchanged(self):
         layer = _built_layer(causal=True)
@@ -1016,11 +1026,17 @@ class LinearAttentionTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, "only available for causal"):
             _layer().get_initial_state(2)
 
-    def test_empty_sequence(self):
+    @parameterized.named_parameters(("v1", None), ("favor_plus", "favor_plus"))
+    def test_empty_sequence(self, extension):
+        # FAVOR+ takes a maximum over each query's features, which
+        # TensorFlow and PyTorch refused for an empty sequence.
+        kwargs = EXTENSIONS.get(extension, {})
         x = _inputs((BATCH, 0, INPUT_DIM))
-        self.assertEqual(tuple(_layer()(x).shape), (BATCH, 0, INPUT_DIM))
+        self.assertEqual(
+            tuple(_layer(**kwargs)(x).shape), (BATCH, 0, INPUT_DIM)
+        )
         for mode in ("auto", "parallel", "recurrent"):
-            layer = _layer(causal=True, execution_mode=mode)
+            layer = _layer(causal=True, execution_mode=mode, **kwargs)
             start = tuple(
                 _inputs(tuple(s.shape), seed=3)
                 for s in layer.get_initial_state(BATCH)
