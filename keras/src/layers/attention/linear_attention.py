@@ -64,12 +64,13 @@ class LinearAttention(Layer):
     The projections are the properties `query_dense`, `key_dense`,
     `value_dense` and `output_dense`. LoRA (`enable_lora()` on them) and
     quantization (`Model.quantize()`, or a `DTypePolicyMap` with entries
-    such as `"<layer name>/query"`) apply to them as in
+    for their paths, such as `"attention/query"` for a layer named
+    `attention` in a Functional model) apply to them as in
     `MultiHeadAttention`; the attention core and its state keep the
     accumulator dtype. The layer's configuration records the policies of
-    projections quantized after they were built (as a `DTypePolicyMap`
-    `dtype`), so that a quantized Functional or Sequential model saves and
-    loads as a `.keras` file.
+    projections quantized after they were built (`"projection_dtypes"`), so
+    that a quantized Functional or Sequential model saves and loads as a
+    `.keras` file.
 
     The built-in feature maps are chosen by name, and their one size
     (`num_features`, for the random-feature and learnable maps) is a plain
@@ -450,6 +451,9 @@ class LinearAttention(Layer):
                 f"`seed` must be an integer or `None`. Received: seed={seed!r}"
             )
         self.seed = None if seed is None else int(seed)
+        # Policies of projections quantized after they were built, by
+        # projection name, from `from_config` (see `get_config`).
+        self._projection_dtypes = {}
 
     @property
     def output_shape(self):
@@ -583,12 +587,19 @@ class LinearAttention(Layer):
 
     def _projection(self, name, equation, output_shape, bias_axes):
         kwargs = self._get_common_kwargs_for_sublayer()
-        if isinstance(kwargs["dtype"], dtype_policies.DTypePolicyMap):
-            # The projection's own entry (or the map's default), given as
-            # a policy: upstream's `EinsumDense` (Keras 3.15) holding the
-            # map itself fails to quantize ("Cannot convert 'map_float32'")
-            # and, quantized by the map, saves no kernel scale.
-            kwargs["dtype"] = kwargs["dtype"][f"{self.path}/{name}"]
+        policy = kwargs["dtype"]
+        if name in self._projection_dtypes:
+            policy = self._projection_dtypes[name]
+        elif isinstance(policy, dtype_policies.DTypePolicyMap):
+            # The projection's entry (or the map's default) as a policy of
+            # its own: upstream's `EinsumDense` (Keras 3.15) holding the map
+            # fails to quantize ("Cannot convert 'map_float32'") and,
+            # quantized by the map, saves no kernel scale; and the map's
+            # `get_config` renames the entries it holds.
+            policy = dtype_policies.deserialize(
+                dtype_policies.serialize(policy[f"{self.path}/{name}"])
+            )
+        kwargs["dtype"] = policy
         return EinsumDense(
             equation,
             output_shape=output_shape,
@@ -597,37 +608,32 @@ class LinearAttention(Layer):
             **kwargs,
         )
 
-    def _projection_policies(self):
-        """The layer's dtype policy, with the projections' where they differ.
+    def _changed_projection_dtypes(self):
+        """The policies of projections that differ from the layer's.
 
         A projection quantized after it was built (`Model.quantize()`) has
-        its own policy, which the layer's configuration must carry to
-        rebuild it with its variables: as a `DTypePolicyMap` entry for its
-        path, which `_projection` reads.
+        a policy of its own, which the configuration must carry to rebuild
+        it with its variables: by projection name, so that it does not
+        depend on the layer's path (unlike a `DTypePolicyMap`).
         """
-        policy = self.dtype_policy
         if not self.built:
-            return policy
-        is_map = isinstance(policy, dtype_policies.DTypePolicyMap)
-        differs = {
-            dense.path: dense.dtype_policy
-            for dense in (
-                self._query_dense,
-                self._key_dense,
-                self._value_dense,
-                self._output_dense,
-            )
-            if dense.dtype_policy.name
-            != (policy[dense.path] if is_map else policy).name
-        }
-        if not differs:
-            return policy
-        if not is_map:
-            return dtype_policies.DTypePolicyMap(policy, differs)
-        entries = {key: policy[key] for key in policy}
-        return dtype_policies.DTypePolicyMap(
-            policy.default_policy, {**entries, **differs}
-        )
+            return {}
+        policy = self.dtype_policy
+        changed = {}
+        for dense in (
+            self._query_dense,
+            self._key_dense,
+            self._value_dense,
+            self._output_dense,
+        ):
+            expected = policy
+            if isinstance(policy, dtype_policies.DTypePolicyMap):
+                expected = policy[dense.path]
+            if dense.dtype_policy.name != expected.name:
+                changed[dense.name] = dtype_policies.serialize(
+                    dense.dtype_policy
+                )
+        return changed
 
     def _get_common_kwargs_for_sublayer(self):
         common_kwargs = dict(
@@ -711,12 +717,12 @@ class LinearAttention(Layer):
             exponent = exponent - 0.5 * ops.sum(
                 ops.square(x), axis=-1, keepdims=True
             )
-            if is_query and self.use_normalizer and x.shape[1] != 0:
+            if is_query and self.use_normalizer and 0 not in x.shape:
                 # A factor per query token, which cancels between numerator
                 # and denominator (up to `normalization_epsilon`): its
                 # largest feature becomes 1 / sqrt(m). Taken per token,
                 # never over the sequence, so that full, chunked and
-                # token-by-token runs agree. (Skipped for an empty
+                # token-by-token runs agree. (Skipped for an empty batch or
                 # sequence: upstream's TensorFlow and PyTorch `max` refuse
                 # a tensor with a zero-sized axis.)
                 exponent = exponent - ops.max(exponent, axis=-1, keepdims=True)
@@ -744,15 +750,17 @@ class LinearAttention(Layer):
         return ops.cast(self.feature_map(x), x.dtype)
 
     def __call__(self, *args, **kwargs):
-        names = list(self._call_signature.parameters)
+        names = self.call_signature_parameters
         if 1 < len(args) <= len(names) and not set(names[1 : len(args)]) & set(
             kwargs
         ):
             # Everything after `inputs` by keyword: for a call with one
             # tensor argument, `Layer.__call__` (Keras 3.15) passes the
             # inputs' mask as `mask=` even when `mask` was given by
-            # position, so that `layer(x, None)` or `layer(x, mask)` failed
-            # with "got multiple values for argument 'mask'".
+            # position, so that `layer(x, None)` or `layer(x, numpy_mask)`
+            # (or, under mixed precision, where the state is wrapped, any
+            # call with a positional mask) failed with "got multiple values
+            # for argument 'mask'".
             kwargs = {**dict(zip(names[1:], args[1:])), **kwargs}
             args = args[:1]
         # `Layer.__call__` casts every floating argument to the compute
@@ -1114,8 +1122,12 @@ class LinearAttention(Layer):
         if previous_mask is None or inputs is None:
             return previous_mask
         mask = _standardize_mask(previous_mask, inputs)
-        if isinstance(mask, backend.KerasTensor) and (
-            mask.dtype != "bool" or mask.shape != inputs.shape[:2]
+        symbolic = isinstance(mask, backend.KerasTensor) or isinstance(
+            inputs, backend.KerasTensor
+        )
+        if symbolic and (
+            backend.standardize_dtype(mask.dtype) != "bool"
+            or tuple(mask.shape) != tuple(inputs.shape[:2])
         ):
             # Symbolic (a Functional model records this mask for the next
             # layers): broadcast by a `logical_and`, which allows unknown
@@ -1199,20 +1211,26 @@ class LinearAttention(Layer):
             "num_key_value_heads": self.num_key_value_heads,
             "num_features": self.num_features,
         }
+        projection_dtypes = self._changed_projection_dtypes()
+        if projection_dtypes:
+            config["projection_dtypes"] = projection_dtypes
         base_config = super().get_config()
-        base_config["dtype"] = dtype_policies.serialize(
-            self._projection_policies()
-        )
         return {**base_config, **config}
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        projection_dtypes = config.pop("projection_dtypes", {})
         if isinstance(config.get("feature_map"), dict):
             config["feature_map"] = serialization_lib.deserialize_keras_object(
                 config["feature_map"]
             )
-        return super().from_config(config)
+        layer = super().from_config(config)
+        layer._projection_dtypes = {
+            name: dtype_policies.deserialize(policy)
+            for name, policy in projection_dtypes.items()
+        }
+        return layer
 
 
 class _PerHeadConstraint(constraints.Constraint):
@@ -1330,7 +1348,8 @@ def _check_input_shape(shape):
 def _standardize_mask(mask, inputs):
     """Returns `mask` as a boolean `(batch, time)` tensor, or `None`.
 
-    For symbolic inputs or masks (`KerasTensor`s) it only checks the shape.
+    For symbolic inputs or masks (`KerasTensor`s) it only checks the dtype
+    and the shape.
     """
     if mask is None:
         return None
@@ -1339,8 +1358,9 @@ def _standardize_mask(mask, inputs):
         try:
             mask = ops.convert_to_tensor(mask)
         except Exception:
-            # E.g. a state passed by position, `layer(x, state)`: the
-            # second positional argument is `mask`.
+            # Such as a state passed by position, `layer(x, state)` (the
+            # second positional argument is `mask`); the error's type
+            # depends on the backend (TensorFlow's is no `ValueError`).
             mask = None
     try:
         dtype = backend.standardize_dtype(mask.dtype)
