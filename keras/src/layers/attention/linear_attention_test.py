@@ -1450,6 +1450,32 @@ class LinearAttentionTest(testing.TestCase):
     @parameterized.named_parameters(
         ("float16", "float16"), ("bfloat16", "bfloat16")
     )
+    def test_mixed_precision_state_accumulates_in_float32(self, dtype):
+        # The state sums the projections' float16 or bfloat16 keys and
+        # values in float32: against a float64 NumPy sum of the same
+        # projections, off by float32 rounding only. (The mixed-precision
+        # output tolerance could not tell; a sum in the compute dtype is
+        # off by 4e-4 of the largest entry in float16 and 3e-3 in bfloat16
+        # here, 20 to 200 times this tolerance.)
+        layer = _built_layer(causal=True, dtype=f"mixed_{dtype}")
+        x = _inputs()
+        _, state = layer(x, return_state=True)
+        key, value = (
+            np.asarray(backend.convert_to_numpy(dense(x)), "float64")
+            for dense in (layer.key_dense, layer.value_dense)
+        )
+        feature = _np_feature(key, "elu_plus_one", None)
+        expected = (
+            np.einsum("bthd,bthe->bhde", feature, value),
+            feature.sum(axis=1),
+        )
+        for actual, wanted in zip(state, expected):
+            self.assertDType(actual, "float32")
+            _assert_close(actual, wanted, FLOAT32_RTOL)
+
+    @parameterized.named_parameters(
+        ("float16", "float16"), ("bfloat16", "bfloat16")
+    )
     def test_mixed_precision_carried_state_is_not_rounded(self, dtype):
         # The state is a sum over steps, so a run started from `start`
         # returns `start` plus what a run started from zeros returns. Values
