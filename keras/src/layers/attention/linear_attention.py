@@ -25,6 +25,7 @@ _SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog")
 # reach it only for keys nearly aligned with a random feature of squared
 # norm above 120, i.e. not for key_dim <= 64 in practice.
 _FAVOR_MAX_EXPONENT = 60.0
+_PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 
 
@@ -68,7 +69,7 @@ class LinearAttention(Layer):
     `attention` in a Functional model) apply to them as in
     `MultiHeadAttention`; the attention core and its state keep the
     accumulator dtype. The layer's configuration records the policies of
-    projections quantized after they were built (`"projection_dtypes"`), so
+    projections quantized after they were built (`projection_dtypes`), so
     that a quantized Functional or Sequential model saves and loads as a
     `.keras` file.
 
@@ -197,6 +198,12 @@ class LinearAttention(Layer):
             to `2 * key_dim`). The other feature maps keep `key_dim`
             features and do not accept this argument. Attention costs grow
             linearly with it.
+        projection_dtypes: Optional dict from projection names
+            (`"query"`, `"key"`, `"value"`, `"attention_output"`) to the
+            dtype policies of those projections, where they differ from the
+            layer's. Written by `get_config()` for projections quantized
+            after they were built, so that the configuration rebuilds them
+            quantized; not needed otherwise.
 
     Call arguments:
         inputs: Floating tensor of shape
@@ -321,6 +328,7 @@ class LinearAttention(Layer):
         seed=None,
         num_key_value_heads=None,
         num_features=None,
+        projection_dtypes=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -451,9 +459,23 @@ class LinearAttention(Layer):
                 f"`seed` must be an integer or `None`. Received: seed={seed!r}"
             )
         self.seed = None if seed is None else int(seed)
-        # Policies of projections quantized after they were built, by
-        # projection name, from `from_config` (see `get_config`).
-        self._projection_dtypes = {}
+        projection_dtypes = projection_dtypes or {}
+        if not isinstance(projection_dtypes, dict) or not set(
+            projection_dtypes
+        ) <= set(_PROJECTIONS):
+            raise ValueError(
+                "`projection_dtypes` must be a dict from projection names "
+                f"({', '.join(repr(name) for name in _PROJECTIONS)}) to "
+                "dtype policies. Received: "
+                f"projection_dtypes={projection_dtypes!r}"
+            )
+        self._projection_dtypes = {
+            name: dtype_policies.get(policy)
+            for name, policy in projection_dtypes.items()
+        }
+        # The policy each projection was built with, but for
+        # `projection_dtypes`: what `get_config` compares against.
+        self._projection_base_dtypes = {}
 
     @property
     def output_shape(self):
@@ -588,9 +610,7 @@ class LinearAttention(Layer):
     def _projection(self, name, equation, output_shape, bias_axes):
         kwargs = self._get_common_kwargs_for_sublayer()
         policy = kwargs["dtype"]
-        if name in self._projection_dtypes:
-            policy = self._projection_dtypes[name]
-        elif isinstance(policy, dtype_policies.DTypePolicyMap):
+        if isinstance(policy, dtype_policies.DTypePolicyMap):
             # The projection's entry (or the map's default) as a policy of
             # its own: upstream's `EinsumDense` (Keras 3.15) holding the map
             # fails to quantize ("Cannot convert 'map_float32'") and,
@@ -599,7 +619,8 @@ class LinearAttention(Layer):
             policy = dtype_policies.deserialize(
                 dtype_policies.serialize(policy[f"{self.path}/{name}"])
             )
-        kwargs["dtype"] = policy
+        self._projection_base_dtypes[name] = policy.name
+        kwargs["dtype"] = self._projection_dtypes.get(name, policy)
         return EinsumDense(
             equation,
             output_shape=output_shape,
@@ -609,31 +630,26 @@ class LinearAttention(Layer):
         )
 
     def _changed_projection_dtypes(self):
-        """The policies of projections that differ from the layer's.
+        """The policies of the projections that differ from the layer's.
 
-        A projection quantized after it was built (`Model.quantize()`) has
-        a policy of its own, which the configuration must carry to rebuild
-        it with its variables: by projection name, so that it does not
-        depend on the layer's path (unlike a `DTypePolicyMap`).
+        Such as a projection quantized after it was built
+        (`Model.quantize()`): the configuration must carry its policy to
+        rebuild it with its variables. By projection name, so that it does
+        not depend on the layer's path (unlike a `DTypePolicyMap`).
         """
         if not self.built:
             return {}
-        policy = self.dtype_policy
-        changed = {}
-        for dense in (
-            self._query_dense,
-            self._key_dense,
-            self._value_dense,
-            self._output_dense,
-        ):
-            expected = policy
-            if isinstance(policy, dtype_policies.DTypePolicyMap):
-                expected = policy[dense.path]
-            if dense.dtype_policy.name != expected.name:
-                changed[dense.name] = dtype_policies.serialize(
-                    dense.dtype_policy
-                )
-        return changed
+        return {
+            dense.name: dtype_policies.serialize(dense.dtype_policy)
+            for dense in (
+                self._query_dense,
+                self._key_dense,
+                self._value_dense,
+                self._output_dense,
+            )
+            if dense.dtype_policy.name
+            != self._projection_base_dtypes[dense.name]
+        }
 
     def _get_common_kwargs_for_sublayer(self):
         common_kwargs = dict(
@@ -1220,17 +1236,11 @@ class LinearAttention(Layer):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        projection_dtypes = config.pop("projection_dtypes", {})
         if isinstance(config.get("feature_map"), dict):
             config["feature_map"] = serialization_lib.deserialize_keras_object(
                 config["feature_map"]
             )
-        layer = super().from_config(config)
-        layer._projection_dtypes = {
-            name: dtype_policies.deserialize(policy)
-            for name, policy in projection_dtypes.items()
-        }
-        return layer
+        return super().from_config(config)
 
 
 class _PerHeadConstraint(constraints.Constraint):

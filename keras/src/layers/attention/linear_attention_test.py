@@ -544,6 +544,16 @@ class LinearAttentionTest(testing.TestCase):
         ),
         ("seed_float", {"seed": 1.5}, "seed"),
         ("seed_bool", {"seed": True}, "seed"),
+        (
+            "projection_dtypes_name",
+            {"projection_dtypes": {"gate": "int8_from_float32"}},
+            "projection_dtypes",
+        ),
+        (
+            "projection_dtypes_type",
+            {"projection_dtypes": ["int8_from_float32"]},
+            "projection_dtypes",
+        ),
     )
     def test_invalid_constructor_arguments(self, kwargs, name):
         kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
@@ -1370,6 +1380,17 @@ class LinearAttentionTest(testing.TestCase):
         )
         renamed.set_weights(model.get_weights())
         self.assertAllClose(renamed(x), y)
+        # The config holds constructor arguments only.
+        config = layer.get_config()
+        self.assertEqual(config, layer.get_config())
+        self.assertEqual(
+            sorted(config["projection_dtypes"]),
+            ["attention_output", "key", "query", "value"],
+        )
+        copy = LinearAttention(**config)
+        copy.build((None, None, INPUT_DIM))
+        copy.set_weights(layer.get_weights())
+        self.assertAllClose(copy(x), y)
         # Weights load into a model quantized the same way.
         path = os.path.join(self.get_temp_dir(), "quantized.weights.h5")
         model.save_weights(path)
@@ -1409,6 +1430,10 @@ class LinearAttentionTest(testing.TestCase):
         _assert_close(y, reference(x), MIXED_RTOL["float16"])
         spec = layer.compute_output_spec(backend.KerasTensor((2, 5, 8)))
         self.assertEqual(spec.dtype, "float32")
+        # The map is the config; saving it (which renames its entries
+        # upstream, for a map without a default) changes nothing else.
+        for _ in range(2):
+            self.assertNotIn("projection_dtypes", layer.get_config())
         # Streamed and full outputs differ by float32 rounding before the
         # float16 output projection, which can flip its last bit.
         _assert_close(_stream(layer, x, [30, 40])[0], y, MIXED_RTOL["float16"])
