@@ -13,6 +13,7 @@ from keras.src import regularizers
 from keras.src import tree
 from keras.src.api_export import keras_export
 from keras.src.layers.core.einsum_dense import EinsumDense
+from keras.src.layers.input_spec import InputSpec
 from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
 from keras.src.saving import serialization_lib
@@ -507,8 +508,7 @@ class LinearAttention(Layer):
     def build(self, input_shape):
         _check_input_shape(input_shape)
         input_dim = input_shape[-1]
-        # The projections' input width: other widths are refused by `call`.
-        self._input_dim = input_dim
+        self.input_spec = InputSpec(axes={-1: input_dim})
         output_dim = self._output_shape or input_dim
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
@@ -1061,12 +1061,6 @@ class LinearAttention(Layer):
         if isinstance(inputs, (list, tuple, dict)):
             _check_input_shape(tree.map_structure(ops.shape, inputs))
         _check_input_shape(tuple(inputs.shape))
-        if self.built and inputs.shape[-1] != self._input_dim:
-            raise ValueError(
-                "The last dimension of `inputs` (input_dim) must be the one "
-                f"the layer was built with, {self._input_dim}. Received: "
-                f"inputs with shape {tuple(inputs.shape)}"
-            )
         dtype = backend.standardize_dtype(inputs.dtype)
         if not backend.is_float_dtype(dtype):
             raise ValueError(
@@ -1137,22 +1131,7 @@ class LinearAttention(Layer):
         # instead of the number of steps).
         if previous_mask is None or inputs is None:
             return previous_mask
-        mask = _standardize_mask(previous_mask, inputs)
-        symbolic = isinstance(mask, backend.KerasTensor) or isinstance(
-            inputs, backend.KerasTensor
-        )
-        if symbolic and (
-            backend.standardize_dtype(mask.dtype) != "bool"
-            or tuple(mask.shape) != tuple(inputs.shape[:2])
-        ):
-            # Symbolic (a Functional model records this mask for the next
-            # layers): broadcast by a `logical_and`, which allows unknown
-            # dimensions, unlike `broadcast_to`.
-            mask = ops.logical_and(
-                ops.not_equal(mask, 0),
-                ops.ones_like(inputs[:, :, 0], dtype="bool"),
-            )
-        return mask
+        return _standardize_mask(previous_mask, inputs)
 
     def compute_output_shape(self, input_shape):
         _check_input_shape(input_shape)
@@ -1356,11 +1335,7 @@ def _check_input_shape(shape):
 
 
 def _standardize_mask(mask, inputs):
-    """Returns `mask` as a boolean `(batch, time)` tensor, or `None`.
-
-    For symbolic inputs or masks (`KerasTensor`s) it only checks the dtype
-    and the shape.
-    """
+    """Returns `mask` as a boolean `(batch, time)` tensor, or `None`."""
     if mask is None:
         return None
     original = mask
@@ -1400,13 +1375,12 @@ def _standardize_mask(mask, inputs):
             f"`LinearAttention`. Received: mask with shape {shape} for "
             f"inputs with shape {tuple(inputs.shape)}"
         )
-    if isinstance(mask, backend.KerasTensor) or isinstance(
-        inputs, backend.KerasTensor
-    ):
-        return mask
-    if backend.standardize_dtype(mask.dtype) != "bool":
+    if dtype != "bool":
         mask = ops.not_equal(mask, 0)
-    return ops.broadcast_to(mask, ops.shape(inputs)[:2])
+    # Broadcast by a `logical_and`, which allows the unknown dimensions of
+    # symbolic tensors (a Functional model records this mask for the next
+    # layers), unlike `broadcast_to`.
+    return ops.logical_and(mask, ops.ones_like(inputs[:, :, 0], dtype="bool"))
 
 
 def _identity_per_head(shape, dtype=None):
