@@ -2,6 +2,9 @@
 # The two commands: `make test` and `make demo`. Both set everything up.
 
 SHELL := /bin/bash
+# pipefail: `git ls-files | xargs ruff` must fail when git does, not lint
+# nothing and pass.
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -103,6 +103,10 @@ TORCH_LEARNING_RATE = 0.5
 # The hybrid model must learn the task: see linear_attention_lm_test.py.
 LOSS_DROP_FACTOR = 0.6
 MIN_ANSWER_ACCURACY = 0.6
+# The attention's query kernel must have trained through the torch loop
+# (its entries start at ~0.1 and move by ~0.1-1 here): a loop that trained
+# only the other layers would leave it within rounding of its start.
+MIN_KERNEL_CHANGE = 1e-2
 
 
 def _torch_batches(num_samples, seed):
@@ -188,7 +192,7 @@ def test_torch_module_with_linear_attention_trains():
     )
     assert accuracy >= MIN_ANSWER_ACCURACY, accuracy
     kernel_after = keras.ops.convert_to_numpy(net.attention._query_dense.kernel)
-    assert np.abs(kernel_after - kernel_before).max() > 1e-2
+    assert np.abs(kernel_after - kernel_before).max() > MIN_KERNEL_CHANGE
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch.nn.Module workflow")

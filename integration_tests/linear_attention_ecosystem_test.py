@@ -21,6 +21,10 @@ from keras.src.backend import backend
 LOSS_DROP_FACTOR = 0.6
 LORA_RANK = 4
 LORA_EPOCHS = 4
+# The tuned model's largest logit change, relative to the largest logit:
+# the new task needs other answers (observed: of order 1), far above the
+# comparison of the loaded model with it (SAME_MODEL_ATOL).
+LORA_MIN_CHANGE = 0.1
 # int8 abs-max quantization of the projection kernels: observed ~2% of the
 # largest logit; beyond 10% the quantized model is not the same model.
 QUANTIZED_MAX_REL_ERROR = 0.1
@@ -84,12 +88,15 @@ def test_lora_on_the_projections(trained_lm, tmp_path):
             kernels[dense._kernel.path] = keras.ops.convert_to_numpy(
                 dense._kernel
             ).copy()
-    trainable = {w.path for w in model.trainable_weights}
+            # Only the adapters train: trainable biases alone can meet the
+            # loss bar below, so that a LoRA that changed nothing passed.
+            if dense.bias is not None:
+                dense.bias.trainable = False
     assert len(kernels) == 8
-    assert not trainable & set(kernels), "frozen kernels must not train"
-    assert all(
-        f"{p[: -len('kernel')]}lora_kernel_a" in trainable for p in kernels
-    )
+    adapters = {
+        f"{p[: -len('kernel')]}lora_kernel_{ab}" for p in kernels for ab in "ab"
+    }
+    assert {w.path for w in model.trainable_weights} == adapters
     # Adapters start at zero: the model is unchanged.
     np.testing.assert_allclose(
         model.predict(x_eval, verbose=0), before, rtol=0, atol=SAME_MODEL_ATOL
@@ -127,11 +134,16 @@ def test_lora_on_the_projections(trained_lm, tmp_path):
             )
 
     # Saving merges the adapters into the kernels: a model without LoRA
-    # loads them and predicts the same.
+    # loads them and predicts the same. (The tuned model must differ from
+    # the base model, or the comparison would hold without any merge.)
     tuned = np.asarray(model.predict(x_eval, verbose=0))
+    assert np.abs(tuned - before).max() > LORA_MIN_CHANGE * np.abs(before).max()
     path = os.path.join(tmp_path, "lora.keras")
     model.save(path)
-    loaded = keras.saving.load_model(path)
+    # Without the optimizer: its saved slots are for the adapters, which the
+    # loaded model does not have (upstream then tries to assign them to its
+    # kernels and biases, and fails where their number matches).
+    loaded = keras.saving.load_model(path, compile=False)
     assert not any(
         dense.lora_enabled
         for layer in _attention_layers(loaded)

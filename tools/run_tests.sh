@@ -12,13 +12,25 @@ BACKENDS=${BACKENDS:-tensorflow jax torch}
 
 # The project's test files: tracked, or new and not ignored. Upstream's test
 # files are excluded by exact path (.git/info/exclude), so they never appear.
-mapfile -t TESTS < <(
+# Listed into a variable first: a failing git (e.g. "dubious ownership" in a
+# container) must fail the run, not leave an empty list that passes.
+if ! listed=$(
   git ls-files --cached --others --exclude-standard -- \
     'keras/*_test.py' 'integration_tests/*_test.py' \
-    'integration_tests/test_*.py' 'benchmarks/*_test.py' | sort -u | while read -r f; do
-    [ -f "$f" ] && echo "$f"
-  done
-)
+    'integration_tests/test_*.py' 'benchmarks/*_test.py'
+); then
+  echo "run_tests.sh: \`git ls-files\` failed: cannot list the tests" >&2
+  exit 1
+fi
+TESTS=()
+while read -r f; do
+  [ -n "$f" ] && [ -f "$f" ] && TESTS+=("$f")
+done < <(printf '%s\n' "$listed" | sort -u)
+if [ "${#TESTS[@]}" -eq 0 ]; then
+  echo "run_tests.sh: no project tests found (keras/**/*_test.py," \
+    "integration_tests/, benchmarks/)" >&2
+  exit 1
+fi
 
 failed=0
 summary=()
@@ -46,14 +58,9 @@ run() {
 
 run tooling tools/tests
 
-if [ "${#TESTS[@]}" -eq 0 ]; then
-  echo
-  echo "==== no project Keras tests yet (keras/**/*_test.py, integration_tests/) ===="
-else
-  for backend in $BACKENDS; do
-    KERAS_BACKEND=$backend run "$backend" "${TESTS[@]}"
-  done
-fi
+for backend in $BACKENDS; do
+  KERAS_BACKEND=$backend run "$backend" "${TESTS[@]}"
+done
 
 echo
 echo "==== summary ===="
