@@ -28,7 +28,13 @@ median of several repeats):
   constant in the position) and, for comparison, the bytes a key/value
   cache would hold at that position (which the no-cache MHA step does not
   use);
-- the crossover length above which LinearAttention is faster.
+- the crossover length above which LinearAttention is faster (at every
+  measured length).
+
+The timed calls take inputs already converted to the backend's tensors
+and return the backend's tensors (JAX waits with `block_until_ready`,
+TensorFlow by reading one element), so that no copy between NumPy and the
+backend is timed.
 
 On PyTorch, `auto_compiled`, `mha_compiled` and `floor_compiled` are
 `auto`, `mha` and `floor` under `torch.compile` (causal only; the recurrent
@@ -83,7 +89,10 @@ FULL_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (128, 512, 2048)
 # The recurrent path scans one step at a time (a Python loop on PyTorch).
 RECURRENT_MAX_LENGTH = {"forward": 4096, "forward+backward": 1024}
-# Above this, softmax attention's (T, T) scores do not fit forward+backward.
+# TensorFlow and JAX: above this, softmax attention's (T, T) scores do not
+# fit forward+backward (they run out of memory at 8k already; at 16k an
+# allocation failure risks a crash rather than an error). PyTorch's fused
+# kernel never materialises them: measured at every length.
 MHA_BACKWARD_MAX_LENGTH = 8192
 FULL_DECODE_POSITIONS = (1024, 4096, 16384)
 QUICK_DECODE_POSITIONS = (256, 1024)
@@ -179,10 +188,47 @@ def _make_layer(kind, causal, execution_mode="parallel"):
     return Projections()
 
 
+def _on_backend(x):
+    """`x` (a NumPy array) as the backend's tensor, on its device.
+
+    Converted once, before timing: a NumPy argument is copied to the
+    device on every call (on JAX 1.5 ms at 4k and 19 ms at 16k for the
+    benchmark's input), a cost that would pull every ratio towards 1.
+    """
+    backend = _keras().backend.backend()
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(x)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(x)
+    import torch
+
+    return torch.as_tensor(x)
+
+
+def _wait_for(result):
+    """Block until TensorFlow has computed `result`; returns it.
+
+    Reads one element rather than converting the result to NumPy, which
+    copied every output and gradient (about 2 ms at 4k, 11 ms at 16k).
+    """
+    first = (
+        next(t for t in result if t is not None)
+        if isinstance(result, (list, tuple))
+        else result
+    )
+    first[(0,) * len(first.shape)].numpy()
+    return result
+
+
 def _compile(layer, mode, compiled=False, **call_kwargs):
     """A function of `x` running `layer` forward or forward+backward.
 
-    `compiled`: PyTorch only, under `torch.compile` instead of eager.
+    `x`: a tensor of the backend (`_on_backend`). `compiled`: PyTorch
+    only, under `torch.compile` instead of eager.
     """
     keras = _keras()
     backend = keras.backend.backend()
@@ -227,9 +273,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
                 )
 
             function = tf.function(gradients, jit_compile=True)
-        return lambda x: tf.nest.map_structure(
-            lambda t: t.numpy(), function(tf.convert_to_tensor(x))
-        )
+        return lambda x: _wait_for(function(x))
     import torch
 
     module = layer
@@ -238,11 +282,10 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
         module = torch.compile(layer, dynamic=False)
 
     def run(x):
-        x = torch.as_tensor(x)
         if mode == "forward":
             with torch.no_grad():
                 return module(x, **call_kwargs)
-        x.requires_grad_(True)
+        x = x.detach().requires_grad_(True)
         out = module(x, **call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
         out.sum().backward()
@@ -259,16 +302,29 @@ def _inputs(length, width=MODEL_DIM, seed=0):
 
 
 def _is_out_of_memory(error):
+    """Whether `error` says an allocation failed (under the address limit)."""
+    if isinstance(error, MemoryError):
+        return True
     text = f"{type(error).__name__} {error}".lower()
     return any(
         word in text
         for word in (
-            "resource_exhausted",
-            "resourceexhausted",
-            "memory",
-            "allocat",  # XLA CPU's YNNPACK: "allocate of <6> failed"
+            "resource_exhausted",  # XLA
+            "resourceexhausted",  # TensorFlow's error class
+            "out of memory",
+            # "OOM when allocating" (TensorFlow), "can't allocate memory"
+            # (PyTorch), "allocate of <6> failed" (XLA CPU's YNNPACK).
+            "allocat",
         )
     )
+
+
+def _failure_note(error):
+    """The note of a point that failed: out of memory, or the error."""
+    message = " ".join(str(error).split())[:200]
+    if _is_out_of_memory(error):
+        return f"out of memory ({type(error).__name__}: {message})"
+    return f"failed: {type(error).__name__}: {message}"
 
 
 def _measured(kind, causal, mode, length, variant_lengths):
@@ -285,7 +341,10 @@ def _measured(kind, causal, mode, length, variant_lengths):
     if kind == "recurrent" and length > RECURRENT_MAX_LENGTH[mode]:
         return False
     return not (
-        kind == "mha" and mode != "forward" and length > MHA_BACKWARD_MAX_LENGTH
+        kind == "mha"
+        and mode != "forward"
+        and length > MHA_BACKWARD_MAX_LENGTH
+        and _keras().backend.backend() != "torch"
     )
 
 
@@ -298,6 +357,10 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
     runs in its own turns after the others, because running right after it
     (hundreds of MB of scores allocated and freed) slows short kinds such
     as the floor; on PyTorch, compiled kinds run in their own turns too.
+    Ratios within a group of turns (LinearAttention / floor, recurrent /
+    parallel) are thus protected from a slow phase; ratios against
+    MultiHeadAttention (or between eager and compiled kinds) compare
+    groups timed one after the other, seconds apart, and are not.
     """
     keras = _keras()
     backend = keras.backend.backend()
@@ -317,7 +380,7 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                     layers[kind] = _make_layer(kind, causal)
                     layers[kind](_inputs(8))
             for length in lengths:
-                x = _inputs(length)
+                x = _on_backend(_inputs(length))
                 if backend == "torch":
                     torch._dynamo.reset()  # graphs of the previous length
                 functions, points = {}, {}
@@ -342,14 +405,16 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                         start = time.perf_counter()
                         function(x)  # warm-up
                         elapsed = time.perf_counter() - start
-                    except Exception as error:  # report, never crash
-                        # Softmax attention's (T, T) tensors can fail in
-                        # backend-specific ways (JAX's CPU kernels report
-                        # "YNNPACK operation failed"); LinearAttention must
-                        # not fail.
+                    except Exception as error:
+                        # Softmax attention's (T, T) tensors may not fit
+                        # under the address-space limit: noted as out of
+                        # memory with the error's text. Another failure of
+                        # MultiHeadAttention is noted as such (the targets
+                        # then have no value, rather than counting it as
+                        # out of memory); any other kind's is raised.
                         if kind != "mha" and not _is_out_of_memory(error):
                             raise
-                        points[kind]["note"] = "out of memory"
+                        points[kind]["note"] = _failure_note(error)
                         continue
                     # Long points (softmax attention at 16k) get fewer
                     # repeats.
@@ -367,11 +432,14 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                         seconds = float(np.median(functions[kind][2]))
                         point["ms"] = round(seconds * 1e3, 3)
                     rows.append(point)
+                    result = (
+                        f"{point['ms']} ms"
+                        if point["ms"] is not None
+                        else point["note"]
+                    )
                     log(
                         f"  {'causal' if causal else 'non-causal':10} "
-                        f"{mode:16} {kind:10} T={length:<6} "
-                        f"{point['ms'] if point['ms'] is not None else 'OOM'}"
-                        " ms"
+                        f"{mode:16} {kind:10} T={length:<6} {result}"
                     )
     return rows
 
@@ -388,6 +456,7 @@ def _decode_step(layer, token, state):
     """A function running one causal step of `layer` from `state`."""
     keras = _keras()
     backend = keras.backend.backend()
+    token, state = _on_backend(token), tuple(_on_backend(s) for s in state)
     if backend == "jax":
         import jax
 
@@ -410,12 +479,9 @@ def _decode_step(layer, token, state):
         return lambda: step(token, state)[0].numpy()
     import torch
 
-    token_t = torch.as_tensor(token)
-    state_t = tuple(torch.as_tensor(s) for s in state)
-
     def step():
         with torch.no_grad():
-            return layer(token_t, initial_state=state_t, return_state=True)
+            return layer(token, initial_state=state, return_state=True)
 
     return step
 
@@ -424,6 +490,9 @@ def _mha_step(mha, token, prefix):
     """A function attending from `token` over `prefix` (no cache)."""
     keras = _keras()
     backend = keras.backend.backend()
+    # Converted once: on JAX and TensorFlow a NumPy prefix was copied in
+    # every step (32 MB at 16k).
+    token, prefix = _on_backend(token), _on_backend(prefix)
     if backend == "jax":
         import jax
 
@@ -437,11 +506,9 @@ def _mha_step(mha, token, prefix):
         return lambda: attend(token, prefix).numpy()
     import torch
 
-    token_t, prefix_t = torch.as_tensor(token), torch.as_tensor(prefix)
-
     def attend():
         with torch.no_grad():
-            return mha(token_t, prefix_t)
+            return mha(token, prefix)
 
     return attend
 
@@ -668,7 +735,7 @@ def _memory_point(kind, length, limit_gb=MEMORY_LIMIT_GB):
     layer = _make_layer(kind, True)
     layer(_inputs(8))
     step = _compile(layer, "forward+backward")
-    x = _inputs(length)
+    x = _on_backend(_inputs(length))
     try:
         step(x)  # compile and warm up
         done = threading.Event()
@@ -686,8 +753,8 @@ def _memory_point(kind, length, limit_gb=MEMORY_LIMIT_GB):
         done.set()
         thread.join()
     except Exception as error:
-        if not _is_out_of_memory(error) and kind != "mha":
-            raise
+        if not _is_out_of_memory(error):
+            raise  # the caller notes the failure, with its error
         limit_mb = round(limit_gb * 1024)
         print(json.dumps({"peak_mb": None, "note": f"> {limit_mb} MB (OOM)"}))
         return
@@ -715,7 +782,10 @@ def _time(rows, layer, length, causal=True, mode="forward"):
 def crossover(rows, suffix=""):
     """Length where causal forward MHA time / LinearAttention time = 1.
 
-    `suffix`: `COMPILED_SUFFIX` for the `torch.compile` kinds.
+    The last upward crossing: from there on, LinearAttention is faster at
+    every measured length (near the crossover, the ratio is close to 1 and
+    may cross it more than once by noise). `suffix`: `COMPILED_SUFFIX` for
+    the `torch.compile` kinds.
     """
     points = sorted(
         (
@@ -730,19 +800,20 @@ def crossover(rows, suffix=""):
     points = [(n, r) for n, r in points if r is not None]
     if not points:
         return None, "n/a"
-    if points[0][1] >= 1:
+    slower = [i for i, (_, r) in enumerate(points) if r < 1]
+    if not slower:
         if points[0][0] > min(row["length"] for row in rows):
             # Measured only from a longer length on (`--quick` compiles the
             # PyTorch kinds at its longest length only).
             return None, f"n/a (from {points[0][0]} only)"
         return points[0][0], f"<= {points[0][0]}"
-    for (n0, r0), (n1, r1) in zip(points, points[1:]):
-        if r1 >= 1 > r0:
-            # Interpolate log(ratio) linearly in log(length).
-            t = (0 - np.log(r0)) / (np.log(r1) - np.log(r0))
-            length = float(np.exp(np.log(n0) + t * (np.log(n1) - np.log(n0))))
-            return length, f"{length:.0f}"
-    return None, f"> {points[-1][0]}"
+    if slower[-1] == len(points) - 1:
+        return None, f"> {points[-1][0]}"
+    (n0, r0), (n1, r1) = points[slower[-1]], points[slower[-1] + 1]
+    # Interpolate log(ratio) linearly in log(length).
+    t = (0 - np.log(r0)) / (np.log(r1) - np.log(r0))
+    length = float(np.exp(np.log(n0) + t * (np.log(n1) - np.log(n0))))
+    return length, f"{length:.0f}"
 
 
 def target_values(results, suffix=""):
@@ -763,29 +834,42 @@ def target_values(results, suffix=""):
                 return row.get("peak_mb")
         return None
 
-    def failed(table, layer, length, field):
-        return any(
-            row["layer"] == layer
-            and row["length"] == length
-            and row.get(field) is None
-            and row.get("causal", True)
-            and row.get("mode", "forward") == "forward"
-            for row in table
-        )
+    def failure(table, layer, length, field):
+        """The note of the causal forward point (or memory point) that
+        failed, `None` if it has a value or was not measured."""
+        for row in table:
+            if (
+                row["layer"] == layer
+                and row["length"] == length
+                and row.get(field) is None
+                and row.get("causal", True)
+                and row.get("mode", "forward") == "forward"
+            ):
+                return row.get("note", "failed")
+        return None
 
-    # Where MultiHeadAttention could not run at 16k (out of memory under
-    # the address-space limit) and LinearAttention did, the ratio has no
+    # Where MultiHeadAttention ran out of memory at 16k (under the
+    # address-space limit) and LinearAttention did not, the ratio has no
     # value; softmax attention is out of reach, so the target counts as met
-    # and says why. For memory, the limit gives a lower bound.
+    # and says why. For memory, the limit gives a lower bound. A failure
+    # for another reason leaves the target without a value ("?").
     time_16k = _ratio(_time(rows, mha, 16384), _time(rows, auto, 16384))
-    if failed(rows, mha, 16384, "ms") and _time(rows, auto, 16384):
-        time_16k = (
-            float("inf"),
-            f"MHA out of memory; linear {_time(rows, auto, 16384):.0f} ms",
-        )
+    note = failure(rows, mha, 16384, "ms")
+    linear_ms = _time(rows, auto, 16384)
+    if note is not None and linear_ms:
+        if note.startswith("out of memory"):
+            time_16k = (
+                float("inf"),
+                f"MHA out of memory; linear {linear_ms:.0f} ms",
+            )
+        else:
+            time_16k = (None, f"not measured: MHA {note[:80]}")
     memory_16k = _ratio(peak("mha", 16384), peak("auto", 16384))
     linear_peak = peak("auto", 16384)
-    if failed(memory, "mha", 16384, "peak_mb") and linear_peak:
+    note = failure(memory, "mha", 16384, "peak_mb")
+    if note is not None and linear_peak and "(OOM)" not in note:
+        memory_16k = (None, f"not measured: MHA {note[:80]}")
+    elif note is not None and linear_peak:
         limit_gb = next(
             row.get("memory_limit_gb", MEMORY_LIMIT_GB)
             for row in memory
@@ -872,7 +956,7 @@ def markdown(results):
         f"### {results['backend']} ({results['machine']}; malloc: "
         f"{results.get('malloc', 'system').split(' ')[0]})",
         "",
-        f"{results['date']}; "
+        f"{results['date']} ({results.get('run', 'run unknown')}); "
         + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
         "",
         "Time in ms (median). `auto`/`parallel`/`recurrent`: "
@@ -1094,10 +1178,32 @@ def versions():
     keras = _keras()
     info = {"keras": keras.__version__, "numpy": np.__version__}
     backend = keras.backend.backend()
-    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
-    if backend in module:
-        info[backend] = __import__(module[backend]).__version__
+    modules = {
+        "tensorflow": ("tensorflow",),
+        "jax": ("jax", "jaxlib"),
+        "torch": ("torch",),
+    }
+    for module in modules.get(backend, ()):
+        info[module] = __import__(module).__version__
     return info
+
+
+def machine():
+    """The CPU model, cores, operating system and Python."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{model}, {platform.machine()}, {os.cpu_count()} cores, "
+        f"{platform.platform()}, {platform.python_implementation()} "
+        f"{platform.python_version()}"
+    )
 
 
 def run(args):
@@ -1106,10 +1212,20 @@ def run(args):
     lengths = args.lengths or (
         QUICK_LENGTHS if args.quick or args.smoke else FULL_LENGTHS
     )
+    lengths = tuple(sorted(set(lengths)))
     positions = QUICK_DECODE_POSITIONS if args.quick else FULL_DECODE_POSITIONS
     repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 5)
     if args.smoke:
         lengths, positions = (128,), (64,)
+    run_kind = (
+        "smoke"
+        if args.smoke
+        else "quick"
+        if args.quick
+        else "full"
+        if not args.lengths
+        else "lengths " + " ".join(map(str, lengths))
+    ) + f", {repeats} repeat{'s' if repeats > 1 else ''}"
 
     def log(text):
         print(text, flush=True)
@@ -1117,7 +1233,13 @@ def run(args):
     log(f"LinearAttention benchmark, backend {backend}: T in {lengths}")
     if args.only_memory:
         # Re-measure memory into the saved results of this backend.
-        with open(os.path.join(args.out, backend + ".json")) as file:
+        path = os.path.join(args.out, backend + ".json")
+        if not os.path.exists(path):
+            sys.exit(
+                f"--only-memory: no saved results of {backend} in {path}: "
+                "run the benchmark first."
+            )
+        with open(path) as file:
             results = json.load(file)
         results["memory"] = measure_memory(lengths, log, args.memory_limit_gb)
         write(results, args.out)
@@ -1125,9 +1247,9 @@ def run(args):
     start = time.time()
     results = {
         "backend": backend,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"{platform.python_implementation()} {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "run": run_kind,
+        "machine": machine(),
         "malloc": _malloc_setting(),
         "versions": versions(),
         "shapes": {
@@ -1171,6 +1293,10 @@ def write(results, out):
         writer = csv.DictWriter(
             file,
             fieldnames=[
+                "date",
+                "run",
+                "machine",
+                "versions",
                 "backend",
                 "causal",
                 "mode",
@@ -1188,15 +1314,24 @@ def write(results, out):
             ],
         )
         writer.writeheader()
-        writer.writerows(results["times"])
+        # Every row says where and how it was measured.
+        context = {
+            "date": results["date"],
+            "run": results.get("run"),
+            "machine": results["machine"],
+            "versions": "; ".join(
+                f"{k} {v}" for k, v in results["versions"].items()
+            ),
+        }
+        writer.writerows({**context, **row} for row in results["times"])
         # Decode rows: mode "decode", a position instead of a length.
         writer.writerows(
-            {"causal": True, "mode": "decode", **row}
+            {**context, "causal": True, "mode": "decode", **row}
             for row in results["decode"]
         )
         # Memory rows: causal forward+backward, mode "memory".
         writer.writerows(
-            {"causal": True, "mode": "memory", **row}
+            {**context, "causal": True, "mode": "memory", **row}
             for row in results["memory"]
         )
     text = markdown(results)
@@ -1218,10 +1353,23 @@ def summary(out):
                 all_results[backend] = json.load(file)
     if not all_results:
         sys.exit(f"No results in {out}: run the benchmark first.")
-    text = targets_table(all_results)
+    # The results may come from different runs (e.g. `make bench
+    # BACKENDS=jax` rewrites one backend's): say which.
+    sources = "; ".join(
+        f"{backend}: {results['date']}, {results.get('run', 'run unknown')}"
+        for backend, results in all_results.items()
+    )
+    text = f"Results: {sources}.\n\n" + targets_table(all_results)
     with open(os.path.join(out, "targets.md"), "w") as file:
         file.write(text + "\n")
     print(text)
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main():
@@ -1237,8 +1385,8 @@ def main():
     parser.add_argument(
         "--smoke", action="store_true", help="one tiny point, for tests"
     )
-    parser.add_argument("--lengths", type=int, nargs="+")
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--lengths", type=_positive_int, nargs="+")
+    parser.add_argument("--repeats", type=_positive_int)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument(
         "--only-memory",

@@ -124,3 +124,99 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                 for layer in ("linear", "favor_plus", "grouped")
             },
         )
+
+
+def _load_script():
+    """The benchmark script as a module (it imports no backend at load)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(times):
+    """Causal forward rows from {(layer, length): ms or note}."""
+    rows = []
+    for (layer, length), value in times.items():
+        row = {
+            "layer": layer,
+            "length": length,
+            "causal": True,
+            "mode": "forward",
+            "ms": value if not isinstance(value, str) else None,
+        }
+        if isinstance(value, str):
+            row["note"] = value
+        rows.append(row)
+    return rows
+
+
+class BenchmarkLogicTest(testing.TestCase):
+    """The targets' arithmetic, on made-up rows (no timing)."""
+
+    def test_crossover_is_the_last_upward_crossing(self):
+        script = _load_script()
+        # MHA / linear: 1.05, 0.9, 0.8, 1.5: faster at 128 by noise, then
+        # slower, then faster from between 512 and 1024 on.
+        lengths = (128, 256, 512, 1024)
+        ratios = (1.05, 0.9, 0.8, 1.5)
+        times = {}
+        for length, ratio in zip(lengths, ratios):
+            times["auto", length] = 10.0
+            times["mha", length] = 10.0 * ratio
+        length, text = script.crossover(_rows(times))
+        self.assertGreater(length, 512)
+        self.assertLess(length, 1024)
+        self.assertEqual(text, f"{length:.0f}")
+        # Never faster at the last length: no crossover.
+        times["mha", 1024] = 9.0
+        self.assertEqual(script.crossover(_rows(times)), (None, "> 1024"))
+        # Faster everywhere.
+        for length in lengths:
+            times["mha", length] = 20.0
+        self.assertEqual(script.crossover(_rows(times)), (128, "<= 128"))
+
+    def _targets(self, mha_16k, memory_note):
+        script = _load_script()
+        times = {("auto", 4096): 10.0, ("mha", 4096): 30.0}
+        times["auto", 16384] = 40.0
+        times["mha", 16384] = mha_16k
+        memory = [
+            {"layer": "auto", "length": 16384, "peak_mb": 500.0},
+            {"layer": "mha", "length": 16384, "peak_mb": None},
+        ]
+        memory[1]["note"] = memory_note
+        results = {
+            "times": _rows(times),
+            "memory": memory,
+            "decode": [],
+        }
+        return script.targets_table({"jax": results}).splitlines()
+
+    def test_out_of_memory_meets_the_16k_targets(self):
+        lines = self._targets(
+            "out of memory (XlaRuntimeError: RESOURCE_EXHAUSTED)",
+            "> 18432 MB (OOM)",
+        )
+        (time_16k,) = [
+            line for line in lines if "causal forward, T=16k" in line
+        ]
+        self.assertIn("MHA out of memory; linear 40 ms (>= 10: ok)", time_16k)
+        (memory,) = [line for line in lines if "peak memory" in line]
+        self.assertIn("> 37 (MHA > 18 GiB limit", memory)
+        self.assertIn(": ok)", memory)
+
+    def test_other_failures_leave_the_16k_targets_without_a_value(self):
+        lines = self._targets(
+            "failed: ValueError: a bug", "failed: ImportError: no module"
+        )
+        (time_16k,) = [
+            line for line in lines if "causal forward, T=16k" in line
+        ]
+        self.assertIn("not measured: MHA failed: ValueError", time_16k)
+        self.assertIn("(>= 10: ?)", time_16k)
+        (memory,) = [line for line in lines if "peak memory" in line]
+        self.assertIn("not measured: MHA failed: ImportError", memory)
+        self.assertIn("(>= 8: ?)", memory)
