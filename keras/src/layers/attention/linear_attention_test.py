@@ -57,6 +57,14 @@ MIXED_RTOL = {"float16": 5e-3, "bfloat16": 4e-2}
 # backend). A dropped scale is off by 10x or more.
 INT8_RTOL = 3e-2
 INT4_RTOL = 0.25
+# Head outputs recovered from float32 layer outputs through the inverse of
+# a random 8x8 output kernel: float32 rounding amplified by its condition
+# number (tens here); a wrong dropout scale is off by 1/3 or more.
+DROPOUT_RECOVERY_RTOL = 1e-3
+# The fraction of head outputs dropped, against the rate: a binomial
+# estimate from 2 * 70 * 8 = 1120 draws (standard deviation 0.013 at rate
+# 0.25), within ~4 standard deviations.
+DROPOUT_FRACTION_ATOL = 0.05
 
 BATCH, LENGTH, INPUT_DIM = 2, 70, 8
 # Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
@@ -757,6 +765,14 @@ class LinearAttentionTest(testing.TestCase):
             self.assertTrue(
                 any(length in shape for shape in shapes), (name, shapes)
             )
+            if name == "parallel":
+                # "auto" (the default) runs a multi-step call chunkwise:
+                # the in-chunk scores are there (a scan over steps would
+                # give the same outputs, far more slowly).
+                chunk = layer._chunk_size
+                self.assertIn(
+                    (chunk, chunk), {shape[-2:] for shape in shapes}, shapes
+                )
             for shape in shapes:
                 long_axes = [d for d in shape if d is not None and d >= length]
                 self.assertLessEqual(len(long_axes), 1, (name, shape))
@@ -1278,6 +1294,32 @@ class LinearAttentionTest(testing.TestCase):
         streamed, _ = _stream(layer, x, [30, 40])
         _assert_close(streamed, inference, FLOAT32_PARITY_RTOL)
 
+    def test_dropout_drops_head_outputs_before_the_projection(self):
+        # Dropout acts on the heads' outputs, before the output projection
+        # (as in MultiHeadAttention), at the configured rate, scaling what
+        # it keeps by 1 / (1 - rate). With 2 heads of 4 values and no bias,
+        # the output kernel is a square 8x8 matrix: undoing it recovers the
+        # head outputs, each 0 or the reference's scaled.
+        rate = 0.25
+        layer = _built_layer(
+            causal=True, dropout=rate, value_dim=4, use_bias=False
+        )
+        x = _inputs()
+        kernel = _np_weights(layer)[("attention_output", "kernel")]
+        kernel = kernel.reshape(NUM_HEADS * 4, INPUT_DIM)
+
+        def heads(outputs):
+            outputs = np.asarray(outputs, "float64").reshape(-1, INPUT_DIM)
+            return np.linalg.solve(kernel.T, outputs.T).T
+
+        expected = heads(_np_reference(layer, x)[0])
+        actual = heads(backend.convert_to_numpy(layer(x, training=True)))
+        kept = np.abs(actual) > DROPOUT_RECOVERY_RTOL * np.abs(expected).max()
+        self.assertAllClose(1 - kept.mean(), rate, atol=DROPOUT_FRACTION_ATOL)
+        _assert_close(
+            actual[kept], expected[kept] / (1 - rate), DROPOUT_RECOVERY_RTOL
+        )
+
     def test_positional_call_arguments(self):
         # `mask`, `initial_state` and `return_state` by position give the
         # same as by keyword, also under mixed precision (`Layer.__call__`
@@ -1641,6 +1683,25 @@ class LinearAttentionTest(testing.TestCase):
                     _assert_close(actual, reference, FLOAT64_RTOL, extension)
                 _assert_close(y, expected, FLOAT64_RTOL, extension)
 
+    def test_normalization_epsilon_is_used(self):
+        # A large epsilon changes the outputs far above rounding: the
+        # layer must use the configured value, in the normalizer and in the
+        # relu map (float64, so that the default's effect is visible too).
+        with _float64_enabled():
+            for feature_map in ("elu_plus_one", "relu"):
+                for causal in (True, False):
+                    layer = _built_layer(
+                        causal=causal,
+                        feature_map=feature_map,
+                        normalization_epsilon=0.5,
+                        dtype="float64",
+                    )
+                    x = _inputs(dtype="float64")
+                    expected, _ = _np_reference(layer, x)
+                    _assert_close(
+                        layer(x), expected, FLOAT64_RTOL, (feature_map, causal)
+                    )
+
     def test_float64_numerical_gradient(self):
         with _float64_enabled():
             for causal, extension in (
@@ -1964,6 +2025,25 @@ class LinearAttentionTest(testing.TestCase):
             self.assertLen(state, len(expected_state))
             for actual, reference in zip(state, expected_state):
                 _assert_close(actual, reference, FLOAT32_RTOL, mode)
+
+    def test_grouped_hedgehog_maps_query_heads_to_their_key_value_head(self):
+        # Query heads 0, 1 use key/value head 0's learnable map, 2, 3 head
+        # 1's (with one key/value head, as in "grouped_hedgehog", any
+        # mapping gives the same result).
+        for causal in (True, False):
+            layer = _built_layer(
+                causal=causal,
+                num_heads=4,
+                num_key_value_heads=2,
+                feature_map="hedgehog",
+                num_features=8,
+            )
+            x = _inputs()
+            expected, _ = _np_reference(layer, x)
+            _assert_close(layer(x), expected, FLOAT32_RTOL, causal)
+            if causal:
+                layer.execution_mode = "recurrent"
+                _assert_close(layer(x), expected, FLOAT32_RTOL, "recurrent")
 
     def test_extension_state_and_weight_shapes(self):
         layer = _layer(
@@ -2319,6 +2399,23 @@ class LinearAttentionTest(testing.TestCase):
             layer = _built_layer(extension=extension, dtype="mixed_bfloat16")
             with backend.AutocastScope("bfloat16"):
                 self.assertDType(getattr(layer, name).value, "float32")
+
+    def test_feature_map_runs_in_the_accumulator_dtype(self):
+        # Under mixed precision, a callable map gets float32 queries and
+        # keys, one step (recurrent) or many (chunkwise), not the
+        # projections' bfloat16.
+        seen = []
+
+        def feature_map(x):
+            seen.append(backend.standardize_dtype(x.dtype))
+            return ops.softplus(x)
+
+        layer = _built_layer(
+            causal=True, feature_map=feature_map, dtype="mixed_bfloat16"
+        )
+        for length in (1, 9):
+            layer(_inputs((BATCH, length, INPUT_DIM)))
+        self.assertEqual(set(seen), {"float32"})
 
     def test_docstring_examples(self):
         import keras
