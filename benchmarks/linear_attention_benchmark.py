@@ -90,9 +90,10 @@ QUICK_LENGTHS = (128, 512, 2048)
 # The recurrent path scans one step at a time (a Python loop on PyTorch).
 RECURRENT_MAX_LENGTH = {"forward": 4096, "forward+backward": 1024}
 # TensorFlow and JAX: above this, softmax attention's (T, T) scores do not
-# fit forward+backward (they run out of memory at 8k already; at 16k an
-# allocation failure risks a crash rather than an error). PyTorch's fused
-# kernel never materialises them: measured at every length.
+# fit forward+backward (TensorFlow runs out of memory at 8k already, JAX
+# takes ~21 s there; at 16k an allocation failure risks a crash rather than
+# an error). PyTorch's fused kernel never materialises them: measured at
+# every length.
 MHA_BACKWARD_MAX_LENGTH = 8192
 FULL_DECODE_POSITIONS = (1024, 4096, 16384)
 QUICK_DECODE_POSITIONS = (256, 1024)
@@ -204,9 +205,8 @@ def _on_backend(x):
         import tensorflow as tf
 
         return tf.convert_to_tensor(x)
-    import torch
-
-    return torch.as_tensor(x)
+    # On PyTorch's default device (the layer's), as Keras puts tensors.
+    return _keras().ops.convert_to_tensor(x)
 
 
 def _wait_for(result):
@@ -315,6 +315,7 @@ def _is_out_of_memory(error):
             # "OOM when allocating" (TensorFlow), "can't allocate memory"
             # (PyTorch), "allocate of <6> failed" (XLA CPU's YNNPACK).
             "allocat",
+            "bad_alloc",  # C++'s std::bad_alloc
         )
     )
 
@@ -1217,15 +1218,18 @@ def run(args):
     repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 5)
     if args.smoke:
         lengths, positions = (128,), (64,)
-    run_kind = (
-        "smoke"
-        if args.smoke
-        else "quick"
-        if args.quick
-        else "full"
-        if not args.lengths
-        else "lengths " + " ".join(map(str, lengths))
-    ) + f", {repeats} repeat{'s' if repeats > 1 else ''}"
+    # Which run the results come from (recorded with them).
+    if args.smoke:
+        run_kind = "smoke"
+    elif args.lengths:
+        run_kind = (
+            ("quick, " if args.quick else "")
+            + "lengths "
+            + " ".join(map(str, lengths))
+        )
+    else:
+        run_kind = "quick" if args.quick else "full"
+    run_kind += f", {repeats} repeat{'s' if repeats > 1 else ''}"
 
     def log(text):
         print(text, flush=True)
