@@ -173,8 +173,10 @@ class LinearAttention(Layer):
             single-step inputs and `"parallel"` otherwise. Non-causal
             attention has one algorithm (sums over the sequence) whatever
             this value is.
-        kernel_initializer: Initializer for dense layer kernels.
-        bias_initializer: Initializer for dense layer biases.
+        kernel_initializer: Initializer for dense layer kernels. Defaults to
+            `"glorot_uniform"` (also for `None`).
+        bias_initializer: Initializer for dense layer biases. Defaults to
+            `"zeros"` (also for `None`).
         kernel_regularizer: Regularizer for dense layer kernels.
         bias_regularizer: Regularizer for dense layer biases.
         activity_regularizer: Regularizer for dense layer activity (the
@@ -184,9 +186,9 @@ class LinearAttention(Layer):
             the `"hedgehog"` kernel, per head, with its `key_dim` axis as
             the input axis).
         bias_constraint: Constraint for dense layer biases.
-        seed: Optional integer to seed the dropout layer and the FAVOR+
-            random features (not a `SeedGenerator`: the features are drawn
-            with NumPy from it).
+        seed: Optional integer in `[0, 2**31 - 1]` to seed the dropout layer
+            and the FAVOR+ random features (not a `SeedGenerator`: the
+            features are drawn with NumPy from it).
         num_key_value_heads: Number of key and value heads, as in
             `GroupedQueryAttention`: `num_heads` must be a multiple of it,
             and each group of `num_heads // num_key_value_heads` query heads
@@ -381,6 +383,13 @@ class LinearAttention(Layer):
                 f"feature_map={feature_map!r} of type "
                 f"{type(feature_map).__name__}"
             )
+        elif inspect.isclass(feature_map):
+            # Callable, but calling it makes an instance, not features.
+            raise ValueError(
+                "`feature_map` must be a feature map, not a class: pass an "
+                f"instance (such as `{feature_map.__name__}()`). Received: "
+                f"feature_map={feature_map!r}"
+            )
         self.feature_map = feature_map
         if feature_map in _SIZED_FEATURE_MAPS:
             if num_features is None:
@@ -389,7 +398,7 @@ class LinearAttention(Layer):
                     if feature_map == "favor_plus"
                     else 2 * self.key_dim
                 )
-            _positive_int("num_features", num_features)
+            num_features = _positive_int("num_features", num_features)
             if feature_map == "hedgehog" and num_features % 2:
                 raise ValueError(
                     "`num_features` must be even for "
@@ -405,38 +414,24 @@ class LinearAttention(Layer):
                 f"feature_map={feature_map!r}"
             )
         self.num_features = num_features
-        if not isinstance(use_normalizer, bool):
-            raise ValueError(
-                "`use_normalizer` must be a boolean. Received: "
-                f"use_normalizer={use_normalizer!r}"
-            )
-        self.use_normalizer = use_normalizer
-        if (
-            isinstance(normalization_epsilon, bool)
-            or not isinstance(normalization_epsilon, (int, float))
-            or not normalization_epsilon > 0
+        self.use_normalizer = _boolean("use_normalizer", use_normalizer)
+        if not (
+            _is_real(normalization_epsilon)
+            and 0 < normalization_epsilon < math.inf
         ):
             raise ValueError(
-                "`normalization_epsilon` must be a positive float. Received: "
-                f"normalization_epsilon={normalization_epsilon!r}"
+                "`normalization_epsilon` must be a positive, finite float. "
+                f"Received: normalization_epsilon={normalization_epsilon!r}"
             )
         self.normalization_epsilon = float(normalization_epsilon)
-        if not isinstance(causal, bool):
-            raise ValueError(
-                f"`causal` must be a boolean. Received: causal={causal!r}"
-            )
-        self.causal = causal
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, (int, float))
-            or not 0 <= dropout < 1
-        ):
+        self.causal = _boolean("causal", causal)
+        if not (_is_real(dropout) and 0 <= dropout < 1):
             raise ValueError(
                 "`dropout` must be a float in [0, 1). Received: "
                 f"dropout={dropout!r}"
             )
         self.dropout = float(dropout)
-        self.use_bias = use_bias
+        self.use_bias = _boolean("use_bias", use_bias)
         if execution_mode not in _EXECUTION_MODES:
             raise ValueError(
                 "`execution_mode` must be one of "
@@ -444,8 +439,16 @@ class LinearAttention(Layer):
                 f"Received: execution_mode={execution_mode!r}"
             )
         self.execution_mode = execution_mode
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
+        # `None` is the default (upstream's `initializers.get` returns
+        # `None`, which the projections could not be given).
+        self.kernel_initializer = initializers.get(
+            "glorot_uniform"
+            if kernel_initializer is None
+            else kernel_initializer
+        )
+        self.bias_initializer = initializers.get(
+            "zeros" if bias_initializer is None else bias_initializer
+        )
         self.kernel_regularizer = regularizers.get(kernel_regularizer)
         # Given to the projections (`Layer.__call__` would also regularize
         # the returned state).
@@ -453,13 +456,7 @@ class LinearAttention(Layer):
         self.bias_regularizer = regularizers.get(bias_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
-        if seed is not None and (
-            isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
-        ):
-            raise ValueError(
-                f"`seed` must be an integer or `None`. Received: seed={seed!r}"
-            )
-        self.seed = None if seed is None else int(seed)
+        self.seed = _check_seed(seed)
         projection_dtypes = projection_dtypes or {}
         if not isinstance(projection_dtypes, dict) or not set(
             projection_dtypes
@@ -506,7 +503,7 @@ class LinearAttention(Layer):
         return self._output_dense
 
     def build(self, input_shape):
-        _check_input_shape(input_shape)
+        input_shape = _check_input_shape(input_shape)
         input_dim = input_shape[-1]
         self.input_spec = InputSpec(axes={-1: input_dim})
         output_dim = self._output_shape or input_dim
@@ -591,8 +588,8 @@ class LinearAttention(Layer):
         otherwise overwrite the new features).
 
         Args:
-            seed: Optional integer. Defaults to a seed drawn from NumPy's
-                global generator.
+            seed: Optional integer in `[0, 2**31 - 1]`. Defaults to a seed
+                drawn from NumPy's global generator.
         """
         if self.feature_map != "favor_plus" or not self.built:
             raise ValueError(
@@ -601,7 +598,7 @@ class LinearAttention(Layer):
                 f"feature_map={self.feature_map!r}, built={self.built}"
             )
         features = _orthogonal_random_features(
-            self.key_dim, self.num_features, seed=seed
+            self.key_dim, self.num_features, seed=_check_seed(seed)
         )
         self.random_features.assign(
             ops.cast(features, self.random_features.dtype)
@@ -761,9 +758,31 @@ class LinearAttention(Layer):
             return ops.exp(x - positive) + positive
         if self.feature_map == "relu":
             return ops.relu(x) + self.normalization_epsilon
+        features = self.feature_map(x)
+        # The state and the products need features of the input's shape;
+        # checked where both shapes are known (`None` while tracing).
+        shape = getattr(features, "shape", None)
+        if shape is None or (
+            len(shape) != len(x.shape)
+            or any(
+                isinstance(a, int) and isinstance(b, int) and a != b
+                for a, b in zip(shape, x.shape)
+            )
+        ):
+            received = (
+                f"type {type(features).__name__}"
+                if shape is None
+                else f"shape {tuple(shape)}"
+            )
+            raise ValueError(
+                "`feature_map` must return a tensor of the shape of its "
+                f"input, (batch_size, sequence_length, heads, key_dim) = "
+                f"{tuple(x.shape)}. Received: {received} from "
+                f"feature_map={self.feature_map!r}"
+            )
         # A `Layer` computes in its own dtype policy (a mixed one returns
         # float16 or bfloat16 features): the layer goes on in `x.dtype`.
-        return ops.cast(self.feature_map(x), x.dtype)
+        return ops.cast(features, x.dtype)
 
     def __call__(self, *args, **kwargs):
         names = self.call_signature_parameters
@@ -875,11 +894,14 @@ class LinearAttention(Layer):
                 initial_state = self._zero_state(ops.shape(inputs)[0])
             else:
                 initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
-            if inputs.shape[1] == 0:
+            if 0 in inputs.shape[:2]:
                 # An empty sequence (such as an empty piece of a stream):
-                # nothing to attend to, and the state passes through.
+                # nothing to attend to, and the state passes through. Or an
+                # empty batch, whose chunks the reshapes below could not
+                # count.
                 outputs = ops.zeros(
-                    (ops.shape(inputs)[0], 0, self.num_heads, self.value_dim),
+                    tuple(ops.shape(inputs)[:2])
+                    + (self.num_heads, self.value_dim),
                     dtype,
                 )
                 state = initial_state
@@ -1134,7 +1156,7 @@ class LinearAttention(Layer):
         return _standardize_mask(previous_mask, inputs)
 
     def compute_output_shape(self, input_shape):
-        _check_input_shape(input_shape)
+        input_shape = _check_input_shape(input_shape)
         return tuple(input_shape[:-1]) + (
             self._output_shape or input_shape[-1],
         )
@@ -1304,14 +1326,62 @@ def _check_batch_size(batch_size):
 
 
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    """`value` as a Python `int` (NumPy integers too), if positive."""
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, numbers.Integral)
+        or value <= 0
+    ):
         raise ValueError(
             f"`{name}` must be a positive integer. Received: {name}={value!r}"
         )
-    return value
+    return int(value)
+
+
+def _boolean(name, value):
+    """`value` as a Python `bool` (NumPy booleans too)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(
+            f"`{name}` must be a boolean. Received: {name}={value!r}"
+        )
+    return bool(value)
+
+
+def _is_real(value):
+    """Whether `value` is a real number (NumPy's too), not a boolean."""
+    return isinstance(value, numbers.Real) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+# Seeds that every backend's random generator and NumPy's accept (PyTorch
+# refuses seeds past int32, JAX and NumPy negative ones).
+_MAX_SEED = 2**31 - 1
+
+
+def _check_seed(seed):
+    """`seed` as a Python `int` (or `None`), if every backend takes it."""
+    if seed is None:
+        return None
+    if (
+        isinstance(seed, (bool, np.bool_))
+        or not isinstance(seed, numbers.Integral)
+        or not 0 <= seed <= _MAX_SEED
+    ):
+        raise ValueError(
+            f"`seed` must be `None` or an integer in [0, {_MAX_SEED}]. "
+            f"Received: seed={seed!r}"
+        )
+    return int(seed)
 
 
 def _check_input_shape(shape):
+    """`shape` as a tuple, if it is the shape of one rank-3 input."""
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(shape, tf.TensorShape) and shape.rank is not None:
+            shape = shape.as_list()
     if not isinstance(shape, (list, tuple)) or any(
         isinstance(dim, (list, tuple)) for dim in shape
     ):
@@ -1332,6 +1402,7 @@ def _check_input_shape(shape):
             "The last dimension of `inputs` (input_dim) must be known. "
             f"Received: inputs with shape {tuple(shape)}"
         )
+    return tuple(shape)
 
 
 def _standardize_mask(mask, inputs):
@@ -1502,7 +1573,16 @@ def _padding(size, multiple):
     on JAX, with an unknown sequence length) the padded size is then
     visibly a multiple, which the reshapes into chunks and blocks need.
     """
-    return multiple * (-(-size // multiple)) - size
+    padding = multiple * (-(-size // multiple)) - size
+    if backend.backend() == "torch" and not isinstance(size, int):
+        # A `torch.SymInt` (`torch.export` or `torch.compile` with a
+        # dynamic length): PyTorch specializes every size that is 0 or 1
+        # while tracing, so that a padding (or a number of chunks or blocks)
+        # of 0 or 1 would hold only for lengths that give the same. One
+        # more whole multiple, zeros that change nothing, keeps all of them
+        # above 1 for every length.
+        padding = padding + multiple
+    return padding
 
 
 def _append_zeros(x, count):
@@ -1538,10 +1618,23 @@ def _scan(step, initial_state, sequences):
 
     sequences = tree.flatten(sequences)
     length = tf.shape(sequences[0])[0]
-    inputs = [
-        tf.TensorArray(x.dtype, size=length).unstack(x) for x in sequences
-    ]
-    outputs = tf.TensorArray(sequences[0].dtype, size=length)
+    steps = length
+    if sequences[0].shape[0] is None:
+        # A length unknown while tracing may be 0: a `TensorArray` without
+        # elements stacks only with a fully known element shape (a dynamic
+        # batch is not), and XLA refuses to compile reads from one. One more
+        # step, on zero inputs, is appended and its output dropped: the
+        # layer's step adds nothing to the state for zero keys and values.
+        sequences = [
+            tf.concat(
+                [x, tf.zeros(tf.concat([[1], tf.shape(x)[1:]], 0), x.dtype)],
+                axis=0,
+            )
+            for x in sequences
+        ]
+        steps = length + 1
+    inputs = [tf.TensorArray(x.dtype, size=steps).unstack(x) for x in sequences]
+    outputs = tf.TensorArray(sequences[0].dtype, size=steps)
 
     def body(t, state, outputs):
         state, output = step(state, tuple(x.read(t) for x in inputs))
@@ -1550,11 +1643,13 @@ def _scan(step, initial_state, sequences):
     # `maximum_iterations` lets XLA (`jit_compile=True`) differentiate the
     # loop.
     _, state, outputs = tf.while_loop(
-        lambda t, *_: t < length,
+        lambda t, *_: t < steps,
         body,
         (tf.constant(0), tuple(initial_state), outputs),
-        maximum_iterations=length,
+        maximum_iterations=steps,
     )
     outputs = outputs.stack()
+    if steps is not length:
+        outputs = outputs[:length]
     outputs.set_shape(sequences[0].shape[:1].concatenate(outputs.shape[1:]))
     return state, outputs

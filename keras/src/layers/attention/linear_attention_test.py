@@ -550,8 +550,20 @@ class LinearAttentionTest(testing.TestCase):
             {"feature_map": "hedgehog", "num_features": 7},
             "num_features",
         ),
+        (
+            "epsilon_infinite",
+            {"normalization_epsilon": float("inf")},
+            "normalization_epsilon",
+        ),
+        ("use_bias", {"use_bias": "no"}, "use_bias"),
+        ("num_heads_numpy_bool", {"num_heads": np.bool_(True)}, "num_heads"),
+        ("feature_map_class", {"feature_map": layers.ReLU}, "feature_map"),
         ("seed_float", {"seed": 1.5}, "seed"),
         ("seed_bool", {"seed": True}, "seed"),
+        # Seeds that some backend's generator refuses (PyTorch past int32,
+        # JAX and NumPy below zero), with errors that did not name `seed`.
+        ("seed_negative", {"seed": -1}, "seed"),
+        ("seed_too_large", {"seed": 2**31}, "seed"),
         (
             "projection_dtypes_name",
             {"projection_dtypes": {"gate": "int8_from_float32"}},
@@ -567,6 +579,62 @@ class LinearAttentionTest(testing.TestCase):
         kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
         with self.assertRaisesRegex(ValueError, f"`{name}.*Received"):
             LinearAttention(**kwargs)
+
+    def test_defaults_and_numpy_arguments(self):
+        config = LinearAttention(2, 4, name="attention").get_config()
+        self.assertEqual(config["normalization_epsilon"], 1e-6)
+        self.assertEqual(config["feature_map"], "elu_plus_one")
+        self.assertEqual(
+            config["kernel_initializer"]["class_name"], "GlorotUniform"
+        )
+        self.assertEqual(config["bias_initializer"]["class_name"], "Zeros")
+        # `None` initializers are the defaults (upstream's
+        # `initializers.get(None)` is `None`, which failed at the build).
+        layer = LinearAttention(
+            2,
+            4,
+            kernel_initializer=None,
+            bias_initializer=None,
+            name="attention",
+        )
+        self.assertEqual(layer.get_config(), config)
+        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, INPUT_DIM))
+        # NumPy scalars, as MultiHeadAttention takes them, become Python
+        # values: the configuration stays JSON-serializable.
+        layer = LinearAttention(
+            np.int64(2),
+            np.int32(4),
+            value_dim=np.int64(3),
+            output_shape=np.int64(5),
+            causal=np.bool_(True),
+            use_normalizer=np.bool_(True),
+            use_bias=np.bool_(False),
+            dropout=np.float32(0.25),
+            normalization_epsilon=np.float64(1e-5),
+            seed=np.int64(3),
+            num_key_value_heads=np.int64(1),
+        )
+        config = json.loads(json.dumps(layer.get_config()))
+        for name, value in (
+            ("num_heads", 2),
+            ("key_dim", 4),
+            ("value_dim", 3),
+            ("output_shape", 5),
+            ("causal", True),
+            ("use_normalizer", True),
+            ("use_bias", False),
+            ("dropout", 0.25),
+            ("normalization_epsilon", 1e-5),
+            ("seed", 3),
+            ("num_key_value_heads", 1),
+        ):
+            self.assertEqual(config[name], value)
+            self.assertIs(type(getattr(layer, name, None)), type(value))
+        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, 5))
+        favor = LinearAttention(
+            2, 4, feature_map="favor_plus", num_features=np.int64(6)
+        )
+        self.assertIs(type(favor.num_features), int)
 
     def test_initializers_regularizers_constraints(self):
         layer = LinearAttention(
@@ -1068,6 +1136,10 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual(
             tuple(_layer(**kwargs)(x).shape), (BATCH, 0, INPUT_DIM)
         )
+        self.assertEqual(
+            tuple(_layer(**kwargs)(_inputs((0, LENGTH, INPUT_DIM))).shape),
+            (0, LENGTH, INPUT_DIM),
+        )
         for mode in ("auto", "parallel", "recurrent"):
             layer = _layer(causal=True, execution_mode=mode, **kwargs)
             start = tuple(
@@ -1083,6 +1155,12 @@ class LinearAttentionTest(testing.TestCase):
             self.assertEqual(tuple(y.shape), (BATCH, 0, INPUT_DIM))
             for actual, expected in zip(state, start):
                 self.assertAllEqual(actual, expected)
+            # An empty batch: the reshapes into chunks could not count the
+            # chunks of zero elements.
+            y, state = layer(_inputs((0, LENGTH, INPUT_DIM)), return_state=True)
+            self.assertEqual(tuple(y.shape), (0, LENGTH, INPUT_DIM))
+            for actual, expected in zip(state, layer.get_initial_state(0)):
+                self.assertEqual(tuple(actual.shape), tuple(expected.shape))
 
     @parameterized.named_parameters(
         ("bare_tensor", lambda s: s[0], "tuple of 2"),
@@ -1818,18 +1896,23 @@ class LinearAttentionTest(testing.TestCase):
                 def forward(self, x):
                     return self.attention(x)
 
-            # A dynamic batch only: `torch.export` specializes the length.
+            # Traced with batch 3 and the usual length, run with other
+            # batches and lengths: whole chunks, a partial one, and more
+            # than one block of the prefix over chunks. Sizes of 0 or 1
+            # while tracing are specialized (the padding to whole chunks
+            # was, so that only lengths with the traced one's padding ran).
             exported = torch.export.export(
                 Module(),
-                # Traced with batch 3 (sizes 0 and 1 would be specialized),
-                # run with batch 2.
                 (torch.from_numpy(np.concatenate([x, x[:1]])),),
-                dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},),
+                dynamic_shapes=(
+                    {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},
+                ),
             )
-            expected, _ = _np_reference(layer, x)
-            _assert_close(
-                exported.module()(torch.from_numpy(x)), expected, FLOAT32_RTOL
-            )
+            long_x = _inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
+            for inputs in (x, x[:1, :9], x[:, :64], long_x):
+                expected, _ = _np_reference(layer, inputs)
+                inputs = torch.from_numpy(np.ascontiguousarray(inputs))
+                _assert_close(exported.module()(inputs), expected, FLOAT32_RTOL)
         else:
             self.skipTest("TensorFlow: `None` sizes are tensors.")
 
@@ -1903,6 +1986,33 @@ class LinearAttentionTest(testing.TestCase):
             for inputs in (x, x[:, :9], long_x):
                 expected, _ = _np_reference(layer, inputs)
                 _assert_close(function(inputs)[0], expected, FLOAT32_RTOL)
+            # The scan over steps with a length unknown while tracing, also
+            # for an empty piece of a stream (whose outputs could not be
+            # stacked, nor compiled by XLA), from a carried state.
+            recurrent = _built_layer(causal=True, execution_mode="recurrent")
+            start = tuple(
+                _inputs(tuple(s.shape), seed=3)
+                for s in recurrent.get_initial_state(BATCH)
+            )
+            for jit_compile in (False, True):
+                function = tf.function(
+                    lambda x: recurrent(
+                        x, initial_state=start, return_state=True
+                    ),
+                    jit_compile=jit_compile,
+                    input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
+                )
+                y, state = function(x[:, :0])
+                self.assertEqual(tuple(y.shape), (BATCH, 0, INPUT_DIM))
+                for actual, expected in zip(state, start):
+                    self.assertAllEqual(actual, expected)
+                y, state = function(x[:, :9])
+                expected, expected_state = _np_reference(
+                    recurrent, x[:, :9], initial_state=start
+                )
+                _assert_close(y, expected, FLOAT32_RTOL)
+                for actual, expected in zip(state, expected_state):
+                    _assert_close(actual, expected, FLOAT32_RTOL)
             # Gradients under XLA, through the scan over time steps and
             # the prefix over chunks, against eager gradients.
             upstream = _inputs(seed=5)
@@ -1959,8 +2069,9 @@ class LinearAttentionTest(testing.TestCase):
             layer(_inputs((2, 8)))
         with self.assertRaisesRegex(ValueError, "rank 3"):
             layer(_inputs((2, 3, 4, 8)))
-        with self.assertRaisesRegex(ValueError, "floating-point"):
-            _layer()(np.ones((2, 3, 8), "int32"))
+        for dtype in ("int32", "bool"):
+            with self.assertRaisesRegex(ValueError, "floating-point"):
+                _layer()(np.ones((2, 3, 8), dtype))
         with self.assertRaisesRegex(ValueError, "input_dim.*must be known"):
             _layer()(layers.Input((None, None)))
         x = _inputs()
@@ -1996,6 +2107,33 @@ class LinearAttentionTest(testing.TestCase):
             non_causal(x, return_state=True)
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
             non_causal(x, initial_state=layer.get_initial_state(BATCH))
+        # A feature map must keep its input's shape (the state has
+        # `key_dim` features); other shapes failed inside the backend, or
+        # (more features, non-causal) passed.
+        for feature_map in (
+            lambda x: ops.concatenate([ops.relu(x), ops.relu(-x)], axis=-1),
+            lambda x: ops.sum(ops.relu(x), axis=-1),
+            lambda x: (x, x),
+        ):
+            for causal in (False, True):
+                with self.assertRaisesRegex(
+                    ValueError, r"`feature_map` must return.*\(2, 70, 2, 3\)"
+                ):
+                    _layer(feature_map=feature_map, causal=causal)(x)
+        favor = _built_layer(**EXTENSIONS["favor_plus"])
+        with self.assertRaisesRegex(ValueError, "`seed`"):
+            favor.redraw_random_features(seed=-1)
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            # A `TensorShape`, as `Dense` and MultiHeadAttention take it.
+            shape = tf.TensorShape([None, None, INPUT_DIM])
+            self.assertEqual(
+                _layer().compute_output_shape(shape), (None, None, INPUT_DIM)
+            )
+            unbuilt = _layer()
+            unbuilt.build(shape)
+            self.assertTrue(unbuilt.built)
 
     # Random-feature and learnable feature maps, grouped heads (beyond v1).
 
