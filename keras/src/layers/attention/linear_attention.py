@@ -11,6 +11,7 @@ from keras.src import initializers
 from keras.src import ops
 from keras.src import regularizers
 from keras.src import tree
+from keras.src import utils
 from keras.src.api_export import keras_export
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.input_spec import InputSpec
@@ -533,13 +534,17 @@ class LinearAttention(Layer):
             # Built here, on symbolic queries (the first input it receives),
             # so that its weights exist when the layer is built
             # symbolically, as in a Functional model, and load with it.
-            # Called rather than `build()`, so that a map without `build()`
-            # builds its own sublayers by running, as Keras does.
+            # Called, so that a map without `build()` builds its own
+            # sublayers by running, as Keras does; a map with one is built
+            # first, with unknown batch and length (on PyTorch, the call on
+            # symbolic queries gives it placeholder sizes, which it would
+            # keep in its build configuration).
+            shape = (None, None, heads, self.key_dim)
+            if not utils.is_default(self.feature_map.build):
+                self.feature_map.build(shape)
             backend.compute_output_spec(
                 self.feature_map,
-                backend.KerasTensor(
-                    (None, None, heads, self.key_dim), self.accumulator_dtype
-                ),
+                backend.KerasTensor(shape, self.accumulator_dtype),
             )
         if self.feature_map == "favor_plus":
             # Drawn with NumPy from `seed`: the same seed gives the same

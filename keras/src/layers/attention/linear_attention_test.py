@@ -406,6 +406,7 @@ class ScaledSoftplusFeatureMap(layers.Layer):
     """A map with a weight: `softplus(x * scale)`, one scale per feature."""
 
     def build(self, input_shape):
+        self.build_shape = tuple(input_shape)
         self.scale = self.add_weight(
             shape=(input_shape[-1],), initializer="random_uniform"
         )
@@ -2442,6 +2443,12 @@ class LinearAttentionTest(testing.TestCase):
 
         first, second = model(), model()
         self.assertLen(first.weights, 9)  # 4 kernels, 4 biases, the map's
+        # Built for unknown batch and length (PyTorch's symbolic call gave
+        # it placeholder sizes, kept in its build configuration).
+        self.assertEqual(
+            first.layers[1].feature_map.build_shape,
+            (None, None, NUM_HEADS, KEY_DIM),
+        )
         x = _inputs()
         path = os.path.join(self.get_temp_dir(), "map.weights.h5")
         first.save_weights(path)
