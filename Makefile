@@ -51,7 +51,8 @@ demo: setup
 
 # All three backends, one after the other (each in its own process), then
 # the targets table of all three. `make bench BENCH_ARGS=--quick` takes
-# under two minutes.
+# under two minutes per backend (one run of the script; PyTorch, the
+# slowest, took 66 s on a quiet machine).
 bench: setup
 	@for backend in $(BACKENDS); do \
 	  KERAS_BACKEND=$$backend $(PY) benchmarks/linear_attention_benchmark.py \

@@ -63,6 +63,7 @@ Usage:
     KERAS_BACKEND=jax python benchmarks/linear_attention_benchmark.py
     python benchmarks/linear_attention_benchmark.py --quick    # < 2 min
     python benchmarks/linear_attention_benchmark.py --summary  # all backends
+    python benchmarks/linear_attention_benchmark.py --plot-only  # redraw
 
 `make bench` runs all three backends and then the summary.
 """
@@ -407,8 +408,11 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                             raise
                         points[kind]["note"] = _failure_note(error)
                         continue
-                    # Long points (softmax attention at 16k) get fewer
-                    # repeats.
+                    # Points whose warm-up took over a second get fewer
+                    # repeats, down to 1 (on the project's 2-core CPU:
+                    # MultiHeadAttention's longest points, from 4k on, and
+                    # FAVOR+ forward+backward at 8k-16k); each row records
+                    # its `repeats`.
                     count = max(1, min(repeats, int(5 / elapsed)))
                     functions[kind] = (function, count, [])
                 for group in sorted({_turns(kind) for kind in functions}):
@@ -422,6 +426,7 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
                     if kind in functions:
                         seconds = float(np.median(functions[kind][2]))
                         point["ms"] = round(seconds * 1e3, 3)
+                        point["repeats"] = len(functions[kind][2])
                     rows.append(point)
                     result = (
                         f"{point['ms']} ms"
@@ -467,7 +472,7 @@ def _decode_step(layer, token, state):
             lambda x, s: layer(x, initial_state=s, return_state=True),
             jit_compile=True,
         )
-        return lambda: step(token, state)[0].numpy()
+        return lambda: _wait_for(step(token, state))
     import torch
 
     def step():
@@ -494,7 +499,7 @@ def _mha_step(mha, token, prefix):
         import tensorflow as tf
 
         attend = tf.function(lambda q, v: mha(q, v), jit_compile=True)
-        return lambda: attend(token, prefix).numpy()
+        return lambda: _wait_for(attend(token, prefix))
     import torch
 
     def attend():
@@ -572,6 +577,7 @@ def measure_decode(positions, repeats, log):
                 "layer": name,
                 "position": position,
                 "ms": round(seconds * 1e3, 4),
+                "repeats": len(times[(position, name)]),
                 **sizes,
             }
         )
@@ -1121,12 +1127,25 @@ def plot(results, path):
     axes[0].legend()
     for kind, label in (("auto", "LinearAttention"), ("mha", "MHA")):
         points = sorted(
-            (r["length"], r["peak_mb"])
+            (r["length"], r["peak_mb"], "note" in r)
             for r in results["memory"]
             if r["layer"] == kind and r.get("peak_mb") is not None
         )
-        if points:
-            axes[1].plot(*zip(*points), "o-", label=label)
+        if not points:
+            continue
+        lengths, peaks, _ = zip(*points)
+        (line,) = axes[1].plot(lengths, peaks, "o-", label=label)
+        # A value with a note is XLA's plan of a step whose run then failed
+        # (out of memory or a crash): hollow.
+        failed = [(n, mb) for n, mb, note in points if note]
+        if failed:
+            axes[1].plot(
+                *zip(*failed),
+                "o",
+                color=line.get_color(),
+                markerfacecolor="white",
+                label=f"{label}: planned, run failed",
+            )
     axes[1].set(
         xscale="log",
         yscale="log",
@@ -1156,9 +1175,13 @@ def plot(results, path):
         title="decode step latency",
     )
     axes[2].legend()
+    versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+    malloc = results.get("malloc", "system").split(" ")[0]
     figure.suptitle(
         f"LinearAttention vs MultiHeadAttention, {results['backend']}, "
-        f"{results['date']}"
+        f"{results['date']}\n{results['machine']}; {versions}; "
+        f"malloc: {malloc}",
+        fontsize="medium",
     )
     figure.tight_layout()
     figure.savefig(path, dpi=90)
@@ -1291,6 +1314,7 @@ def write(results, out):
                 "run",
                 "machine",
                 "versions",
+                "malloc",
                 "backend",
                 "causal",
                 "mode",
@@ -1298,6 +1322,7 @@ def write(results, out):
                 "length",
                 "position",
                 "ms",
+                "repeats",
                 "state_bytes",
                 "kv_cache_bytes",
                 "peak_mb",
@@ -1316,6 +1341,7 @@ def write(results, out):
             "versions": "; ".join(
                 f"{k} {v}" for k, v in results["versions"].items()
             ),
+            "malloc": results.get("malloc"),
         }
         writer.writerows({**context, **row} for row in results["times"])
         # Decode rows: mode "decode", a position instead of a length.
@@ -1338,7 +1364,8 @@ def write(results, out):
     print(f"Wrote {base}.md/.csv/.json/.png in {results['seconds']} s")
 
 
-def summary(out):
+def _saved_results(out):
+    """The saved results of every backend in `out`, by backend."""
     all_results = {}
     for backend in BACKENDS:
         path = os.path.join(out, backend + ".json")
@@ -1347,6 +1374,19 @@ def summary(out):
                 all_results[backend] = json.load(file)
     if not all_results:
         sys.exit(f"No results in {out}: run the benchmark first.")
+    return all_results
+
+
+def replot(out):
+    """Redraws each backend's plot from its saved results, measuring none."""
+    for backend, results in _saved_results(out).items():
+        path = os.path.join(out, backend + ".png")
+        plot(results, path)
+        print(f"Wrote {path}")
+
+
+def summary(out):
+    all_results = _saved_results(out)
     # The results may come from different runs (e.g. `make bench
     # BACKENDS=jax` rewrites one backend's): say which.
     sources = "; ".join(
@@ -1394,6 +1434,12 @@ def main():
         help="print the targets table of all backends' saved results",
     )
     parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="redraw the PNG plots of all backends' saved results, "
+        "measuring nothing",
+    )
+    parser.add_argument(
         "--system-malloc",
         action="store_true",
         help="time with glibc's default malloc settings instead of keeping "
@@ -1412,6 +1458,7 @@ def main():
     if not (
         args.system_malloc
         or args.summary
+        or args.plot_only
         or args.memory_point
         or _caching_malloc()
     ):
@@ -1426,6 +1473,8 @@ def main():
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if args.summary:
         summary(args.out)
+    elif args.plot_only:
+        replot(args.out)
     elif args.memory_point:
         _memory_point(
             args.memory_point[0],

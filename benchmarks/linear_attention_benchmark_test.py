@@ -63,6 +63,8 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             )
         self.assertEqual(layers, expected)
         self.assertTrue(all(row["ms"] > 0 for row in results["times"]))
+        # --smoke: one timing per point (the count each row records).
+        self.assertTrue(all(row["repeats"] == 1 for row in results["times"]))
         # The variants run causal and non-causal, forward and backward.
         for layer in ("favor_plus", "grouped"):
             self.assertEqual(
@@ -85,6 +87,7 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             set(decode), {"linear", "favor_plus", "grouped", "mha"}
         )
         self.assertTrue(all(row["ms"] > 0 for row in decode.values()))
+        self.assertTrue(all(row["repeats"] >= 1 for row in decode.values()))
         # Carried state, batch 1, float32: (features, value_dim) and
         # (features,) per key/value head.
         for layer in ("linear", "favor_plus", "grouped"):
@@ -124,6 +127,20 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                 for layer in ("linear", "favor_plus", "grouped")
             },
         )
+        # Every CSV row says how it was measured, the allocator included.
+        self.assertTrue(all(row["malloc"] == results["malloc"] for row in rows))
+        self.assertTrue(
+            all(row["repeats"] for row in rows if row["mode"] != "memory")
+        )
+        # The plot is redrawn from the saved results alone.
+        os.remove(os.path.join(out, name + ".png"))
+        replot = subprocess.run(
+            [sys.executable, SCRIPT, "--plot-only", "--out", out],
+            capture_output=True,
+            text=True,
+        )
+        self.assertEqual(replot.returncode, 0, replot.stderr[-3000:])
+        self.assertTrue(os.path.exists(os.path.join(out, name + ".png")))
 
 
 def _load_script():
