@@ -140,15 +140,17 @@ class LinearAttention(Layer):
               tensor of shape `(batch_size, sequence_length, heads,
               key_dim)` in the accumulator dtype, where `heads` is
               `num_heads` for queries and `num_key_value_heads` for keys, and
-              must return non-negative values of the same shape (the layer
-              does not check the values, and casts them to the accumulator
-              dtype). A `Layer` is built with this layer, for the queries'
-              shape (weights per head therefore need `num_key_value_heads`
-              equal to `num_heads`), and computes in its own dtype policy:
-              give it `dtype="float32"` under mixed precision (or
-              `"float64"` in a float64 layer) for features in the
-              accumulator dtype. An unregistered callable works but the
-              layer cannot be serialized.
+              must return non-negative values of the same shape (or, in a
+              non-causal layer, with another number of features, the same
+              for queries and keys; the layer checks the shape, not the
+              values, and casts them to the accumulator dtype). A `Layer`
+              is built with this layer, for the queries' shape (weights
+              per head therefore need `num_key_value_heads` equal to
+              `num_heads`), and computes in its own dtype policy: give it
+              `dtype="float32"` under mixed precision (or `"float64"` in a
+              float64 layer) for features in the accumulator dtype. An
+              unregistered callable works but the layer cannot be
+              serialized.
         use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
             normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -187,9 +189,10 @@ class LinearAttention(Layer):
             the `"hedgehog"` kernel, per head, with its `key_dim` axis as
             the input axis).
         bias_constraint: Constraint for dense layer biases.
-        seed: Optional integer in `[0, 2**31 - 1]` to seed the dropout layer
-            and the FAVOR+ random features (not a `SeedGenerator`: the
-            features are drawn with NumPy from it).
+        seed: Optional non-negative integer (at most `2**31 - 1` with
+            dropout) to seed the dropout layer and the FAVOR+ random
+            features (not a `SeedGenerator`: the features are drawn with
+            NumPy from it).
         num_key_value_heads: Number of key and value heads, as in
             `GroupedQueryAttention`: `num_heads` must be a multiple of it,
             and each group of `num_heads // num_key_value_heads` query heads
@@ -457,7 +460,9 @@ class LinearAttention(Layer):
         self.bias_regularizer = regularizers.get(bias_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
-        self.seed = _check_seed(seed)
+        self.seed = _check_seed(
+            seed, largest=_MAX_DROPOUT_SEED if dropout else None
+        )
         projection_dtypes = projection_dtypes or {}
         if not isinstance(projection_dtypes, dict) or not set(
             projection_dtypes
@@ -593,8 +598,8 @@ class LinearAttention(Layer):
         otherwise overwrite the new features).
 
         Args:
-            seed: Optional integer in `[0, 2**31 - 1]`. Defaults to a seed
-                drawn from NumPy's global generator.
+            seed: Optional non-negative integer. Defaults to a seed drawn
+                from NumPy's global generator.
         """
         if self.feature_map != "favor_plus" or not self.built:
             raise ValueError(
@@ -764,30 +769,44 @@ class LinearAttention(Layer):
         if self.feature_map == "relu":
             return ops.relu(x) + self.normalization_epsilon
         features = self.feature_map(x)
-        # The state and the products need features of the input's shape;
-        # checked where both shapes are known (`None` while tracing).
-        shape = getattr(features, "shape", None)
-        if shape is None or (
-            len(shape) != len(x.shape)
-            or any(
-                isinstance(a, int) and isinstance(b, int) and a != b
-                for a, b in zip(shape, x.shape)
-            )
-        ):
-            received = (
-                f"type {type(features).__name__}"
-                if shape is None
-                else f"shape {tuple(shape)}"
-            )
-            raise ValueError(
-                "`feature_map` must return a tensor of the shape of its "
-                f"input, (batch_size, sequence_length, heads, key_dim) = "
-                f"{tuple(x.shape)}. Received: {received} from "
-                f"feature_map={self.feature_map!r}"
-            )
+        self._check_features(features, x)
         # A `Layer` computes in its own dtype policy (a mixed one returns
         # float16 or bfloat16 features): the layer goes on in `x.dtype`.
         return ops.cast(features, x.dtype)
+
+    def _check_features(self, features, x):
+        """Refuses features that the products or the state cannot take.
+
+        The shape of `x`; non-causal layers also take another number of
+        features (the same for queries and keys), causal ones need
+        `key_dim` (the state's size). Compared where both sizes are known
+        (not `None` or symbolic while tracing).
+        """
+        shape = getattr(features, "shape", None)
+        try:
+            rank = None if shape is None else len(shape)
+        except ValueError:
+            return  # TensorFlow, a shape of unknown rank while tracing.
+        compared = x.shape if self.causal else x.shape[:-1]
+        if rank == len(x.shape) and not any(
+            isinstance(a, int) and isinstance(b, int) and a != b
+            for a, b in zip(shape, compared)
+        ):
+            return
+        received = (
+            f"type {type(features).__name__}"
+            if shape is None
+            else f"shape {tuple(shape)}"
+        )
+        expected = "(batch_size, sequence_length, heads, key_dim)"
+        if not self.causal:
+            expected = "(batch_size, sequence_length, heads, features)"
+        raise ValueError(
+            f"`feature_map` must return a tensor of shape {expected}, for "
+            f"inputs of shape {tuple(x.shape)}"
+            + ("" if self.causal else " (any number of features)")
+            + f". Received: {received} from feature_map={self.feature_map!r}"
+        )
 
     def __call__(self, *args, **kwargs):
         names = self.call_signature_parameters
@@ -1359,23 +1378,28 @@ def _is_real(value):
     )
 
 
-# Seeds that every backend's random generator and NumPy's accept (PyTorch
-# refuses seeds past int32, JAX and NumPy negative ones).
-_MAX_SEED = 2**31 - 1
+# The largest seed of the dropout layer that every backend's generator
+# takes (PyTorch's holds an int32).
+_MAX_DROPOUT_SEED = 2**31 - 1
 
 
-def _check_seed(seed):
-    """`seed` as a Python `int` (or `None`), if every backend takes it."""
+def _check_seed(seed, largest=None):
+    """`seed` as a Python `int` (or `None`), if non-negative (NumPy, which
+    draws the FAVOR+ features, and JAX refuse negative seeds) and at most
+    `largest`."""
     if seed is None:
         return None
     if (
         isinstance(seed, (bool, np.bool_))
         or not isinstance(seed, numbers.Integral)
-        or not 0 <= seed <= _MAX_SEED
+        or seed < 0
+        or (largest is not None and seed > largest)
     ):
+        allowed = "a non-negative integer"
+        if largest is not None:
+            allowed = f"an integer in [0, {largest}] with dropout"
         raise ValueError(
-            f"`seed` must be `None` or an integer in [0, {_MAX_SEED}]. "
-            f"Received: seed={seed!r}"
+            f"`seed` must be `None` or {allowed}. Received: seed={seed!r}"
         )
     return int(seed)
 
@@ -1577,6 +1601,7 @@ def _padding(size, multiple):
     multiple`: with a symbolic size (`jax.export`, and so `model.export()`
     on JAX, with an unknown sequence length) the padded size is then
     visibly a multiple, which the reshapes into chunks and blocks need.
+    A symbolic size on PyTorch gets one more whole multiple (see below).
     """
     padding = multiple * (-(-size // multiple)) - size
     if backend.backend() == "torch" and not isinstance(size, int):
@@ -1615,6 +1640,11 @@ def _scan(step, initial_state, sequences):
     `tf.while_loop` and a `TensorArray` for the outputs. Other backends use
     `ops.scan` (on PyTorch that is a Python loop over steps in upstream's
     implementation: correct, but slow for many steps).
+
+    On TensorFlow, a length unknown while tracing runs one more step, on
+    zero inputs, whose output is dropped: `step` must leave the state
+    unchanged for zero inputs (the layer's step, for zero keys and values,
+    does).
     """
     if backend.backend() != "tensorflow":
         return ops.scan(step, initial_state, sequences)

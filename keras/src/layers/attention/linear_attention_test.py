@@ -561,10 +561,11 @@ class LinearAttentionTest(testing.TestCase):
         ("feature_map_class", {"feature_map": layers.ReLU}, "feature_map"),
         ("seed_float", {"seed": 1.5}, "seed"),
         ("seed_bool", {"seed": True}, "seed"),
-        # Seeds that some backend's generator refuses (PyTorch past int32,
-        # JAX and NumPy below zero), with errors that did not name `seed`.
+        # Seeds that some backend's generator refuses (NumPy and JAX below
+        # zero, PyTorch's dropout past int32), with errors that did not
+        # name `seed`.
         ("seed_negative", {"seed": -1}, "seed"),
-        ("seed_too_large", {"seed": 2**31}, "seed"),
+        ("seed_too_large", {"seed": 2**31, "dropout": 0.1}, "seed"),
         (
             "projection_dtypes_name",
             {"projection_dtypes": {"gate": "int8_from_float32"}},
@@ -2014,6 +2015,26 @@ class LinearAttentionTest(testing.TestCase):
                 _assert_close(y, expected, FLOAT32_RTOL)
                 for actual, expected in zip(state, expected_state):
                     _assert_close(actual, expected, FLOAT32_RTOL)
+                # Gradients through the extra step, against eager ones.
+                upstream = _inputs(seed=5)[:, :9]
+
+                @tf.function(
+                    jit_compile=jit_compile,
+                    input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
+                )
+                def gradients(x):
+                    with tf.GradientTape() as tape:
+                        tape.watch(x)
+                        y = recurrent(x, initial_state=start)
+                        loss = tf.reduce_sum(y * upstream)
+                    return tape.gradient(loss, [x, recurrent._key_dense.kernel])
+
+                compiled = gradients(x[:, :9])
+                eager = _gradients(
+                    recurrent, x[:, :9], upstream, initial_state=start
+                )
+                _assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
+                _assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
             # Gradients under XLA, through the scan over time steps and
             # the prefix over chunks, against eager gradients.
             upstream = _inputs(seed=5)
@@ -2108,22 +2129,45 @@ class LinearAttentionTest(testing.TestCase):
             non_causal(x, return_state=True)
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
             non_causal(x, initial_state=layer.get_initial_state(BATCH))
-        # A feature map must keep its input's shape (the state has
-        # `key_dim` features); other shapes failed inside the backend, or
-        # (more features, non-causal) passed.
-        for feature_map in (
-            lambda x: ops.concatenate([ops.relu(x), ops.relu(-x)], axis=-1),
-            lambda x: ops.sum(ops.relu(x), axis=-1),
-            lambda x: (x, x),
+
+        # A feature map must keep its input's batch, time and heads, and in
+        # a causal layer its number of features (the state's); other
+        # shapes failed inside the backend.
+        def doubled(x):
+            return ops.concatenate([ops.relu(x), ops.relu(-x)], axis=-1)
+
+        def summed(x):
+            return ops.sum(ops.relu(x), axis=-1)
+
+        for feature_map, causal in (
+            (doubled, True),
+            (summed, False),
+            (summed, True),
+            (lambda x: (x, x), False),
+            (lambda x: (x, x), True),
+            (lambda x: ops.relu(x)[:, :1], False),
         ):
-            for causal in (False, True):
-                with self.assertRaisesRegex(
-                    ValueError, r"`feature_map` must return.*\(2, 70, 2, 3\)"
-                ):
-                    _layer(feature_map=feature_map, causal=causal)(x)
+            with self.assertRaisesRegex(
+                ValueError, r"`feature_map` must return.*\(2, 70, 2, 3\)"
+            ):
+                _layer(feature_map=feature_map, causal=causal)(x)
+        # Non-causal: any number of features, the same for queries and keys.
+        non_causal = _layer(feature_map=doubled)
+        outputs = non_causal(x)
+        expected, _ = _np_reference(
+            non_causal,
+            x,
+            feature=lambda f: np.concatenate([f * (f > 0), -f * (f < 0)], -1),
+        )
+        _assert_close(outputs, expected, FLOAT32_RTOL)
         favor = _built_layer(**EXTENSIONS["favor_plus"])
         with self.assertRaisesRegex(ValueError, "`seed`"):
             favor.redraw_random_features(seed=-1)
+        # Without dropout, a seed reaches only NumPy, which takes any
+        # non-negative integer.
+        favor = _layer(seed=2**40, **EXTENSIONS["favor_plus"])
+        favor(x)
+        favor.redraw_random_features(seed=2**40)
         if backend.backend() == "tensorflow":
             import tensorflow as tf
 
