@@ -798,14 +798,15 @@ class LinearAttention(Layer):
             if shape is None
             else f"shape {tuple(shape)}"
         )
-        expected = "(batch_size, sequence_length, heads, key_dim)"
+        expected = f"its input's shape, {tuple(x.shape)}"
         if not self.causal:
-            expected = "(batch_size, sequence_length, heads, features)"
+            expected = (
+                f"its input's batch size, length and heads, "
+                f"{tuple(x.shape[:-1])}, and any number of features"
+            )
         raise ValueError(
-            f"`feature_map` must return a tensor of shape {expected}, for "
-            f"inputs of shape {tuple(x.shape)}"
-            + ("" if self.causal else " (any number of features)")
-            + f". Received: {received} from feature_map={self.feature_map!r}"
+            f"`feature_map` must return a tensor with {expected}. "
+            f"Received: {received} from feature_map={self.feature_map!r}"
         )
 
     def __call__(self, *args, **kwargs):
@@ -1351,11 +1352,7 @@ def _check_batch_size(batch_size):
 
 def _positive_int(name, value):
     """`value` as a Python `int` (NumPy integers too), if positive."""
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not isinstance(value, numbers.Integral)
-        or value <= 0
-    ):
+    if not _is_integer(value) or value <= 0:
         raise ValueError(
             f"`{name}` must be a positive integer. Received: {name}={value!r}"
         )
@@ -1369,6 +1366,13 @@ def _boolean(name, value):
             f"`{name}` must be a boolean. Received: {name}={value!r}"
         )
     return bool(value)
+
+
+def _is_integer(value):
+    """Whether `value` is an integer (NumPy's too), not a boolean."""
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
 
 
 def _is_real(value):
@@ -1390,8 +1394,7 @@ def _check_seed(seed, largest=None):
     if seed is None:
         return None
     if (
-        isinstance(seed, (bool, np.bool_))
-        or not isinstance(seed, numbers.Integral)
+        not _is_integer(seed)
         or seed < 0
         or (largest is not None and seed > largest)
     ):
@@ -1406,11 +1409,13 @@ def _check_seed(seed, largest=None):
 
 def _check_input_shape(shape):
     """`shape` as a tuple, if it is the shape of one rank-3 input."""
-    if backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if isinstance(shape, tf.TensorShape) and shape.rank is not None:
-            shape = shape.as_list()
+    if not isinstance(shape, (list, tuple)):
+        # Such as TensorFlow's `TensorShape`; what upstream cannot convert
+        # is refused below.
+        try:
+            shape = backend.standardize_shape(shape)
+        except ValueError:
+            pass
     if not isinstance(shape, (list, tuple)) or any(
         isinstance(dim, (list, tuple)) for dim in shape
     ):
@@ -1654,12 +1659,12 @@ def _scan(step, initial_state, sequences):
     sequences = tree.flatten(sequences)
     length = tf.shape(sequences[0])[0]
     steps = length
-    if sequences[0].shape[0] is None:
+    extra_step = sequences[0].shape[0] is None
+    if extra_step:
         # A length unknown while tracing may be 0: a `TensorArray` without
         # elements stacks only with a fully known element shape (a dynamic
-        # batch is not), and XLA refuses to compile reads from one. One more
-        # step, on zero inputs, is appended and its output dropped: the
-        # layer's step adds nothing to the state for zero keys and values.
+        # batch is not), and XLA refuses to compile reads from one. Hence
+        # the extra step on zero inputs (see above).
         sequences = [
             tf.concat(
                 [x, tf.zeros(tf.concat([[1], tf.shape(x)[1:]], 0), x.dtype)],
@@ -1684,7 +1689,7 @@ def _scan(step, initial_state, sequences):
         maximum_iterations=steps,
     )
     outputs = outputs.stack()
-    if steps is not length:
+    if extra_step:
         outputs = outputs[:length]
     outputs.set_shape(sequences[0].shape[:1].concatenate(outputs.shape[1:]))
     return state, outputs
