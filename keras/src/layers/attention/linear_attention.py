@@ -309,7 +309,7 @@ class LinearAttention(Layer):
 
     # Chunk length of the causal "parallel" algorithm. Each chunk costs a
     # (chunk, chunk) product per head, and the sequence costs one
-    # (key_dim, value_dim) summary per chunk.
+    # (features, value_dim) summary per chunk.
     _chunk_size = 64
 
     def __init__(
@@ -359,19 +359,20 @@ class LinearAttention(Layer):
             if value_dim is None
             else _positive_int("value_dim", value_dim)
         )
-        if isinstance(output_shape, (list, tuple)):
-            if len(output_shape) != 1:
+        if output_shape is not None:
+            size = output_shape
+            if isinstance(size, (list, tuple)) and len(size) == 1:
+                size = size[0]
+            if not _is_integer(size) or size <= 0:
                 raise ValueError(
-                    "`output_shape` must be `None`, a positive integer or a "
-                    "one-element tuple/list of one. Received: "
-                    f"output_shape={output_shape}"
+                    "`output_shape` must be `None`, a positive integer, or a "
+                    "tuple or list of one positive integer. Received: "
+                    f"output_shape={output_shape!r}"
                 )
-            output_shape = output_shape[0]
-        self._output_shape = (
-            None
-            if output_shape is None
-            else _positive_int("output_shape", output_shape)
-        )
+            output_shape = int(size)
+        # Private, as in `MultiHeadAttention`: a public `output_shape` is
+        # what `Model.summary()` takes for the shape of the layer's output.
+        self._output_shape = output_shape
         if isinstance(feature_map, str):
             if feature_map not in _FEATURE_MAPS:
                 raise ValueError(
@@ -480,10 +481,6 @@ class LinearAttention(Layer):
         # The policy each projection was built with, but for
         # `projection_dtypes`: what `get_config` compares against.
         self._projection_base_dtypes = {}
-
-    @property
-    def output_shape(self):
-        return self._output_shape
 
     @property
     def accumulator_dtype(self):

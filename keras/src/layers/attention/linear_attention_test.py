@@ -507,9 +507,26 @@ class LinearAttentionTest(testing.TestCase):
 
     def test_output_shape_tuple(self):
         layer = LinearAttention(2, 4, output_shape=(5,))
-        self.assertEqual(layer.output_shape, 5)
         self.assertEqual(layer.get_config()["output_shape"], 5)
         self.assertEqual(layer(_inputs((1, 3, 8))).shape, (1, 3, 5))
+
+    def test_summary_of_subclassed_model(self):
+        # A layer without graph nodes: `Model.summary()` reads a public
+        # `output_shape` attribute as the shape of its output (the layer's
+        # argument is therefore kept private, as in MultiHeadAttention).
+        class Wrapper(models.Model):
+            def __init__(self):
+                super().__init__()
+                self.attention = LinearAttention(2, 4, output_shape=6)
+
+            def call(self, inputs):
+                return self.attention(inputs)
+
+        model = Wrapper()
+        model(_inputs((1, 3, 8)))
+        lines = []
+        model.summary(print_fn=lambda line, **kwargs: lines.append(line))
+        self.assertIn("LinearAttention", "\n".join(lines))
 
     @parameterized.named_parameters(
         ("num_heads", {"num_heads": 0}, "num_heads"),
@@ -518,6 +535,7 @@ class LinearAttentionTest(testing.TestCase):
         ("value_dim", {"value_dim": 0}, "value_dim"),
         ("output_shape", {"output_shape": (2, 3)}, "output_shape"),
         ("output_shape_zero", {"output_shape": 0}, "output_shape"),
+        ("output_shape_tuple_zero", {"output_shape": (0,)}, "output_shape"),
         ("feature_map", {"feature_map": "softmax"}, "feature_map"),
         ("feature_map_type", {"feature_map": 3}, "feature_map"),
         ("execution_mode", {"execution_mode": "fast"}, "execution_mode"),
@@ -632,7 +650,8 @@ class LinearAttentionTest(testing.TestCase):
             ("num_key_value_heads", 1),
         ):
             self.assertEqual(config[name], value)
-            self.assertIs(type(getattr(layer, name, None)), type(value))
+            attribute = "_output_shape" if name == "output_shape" else name
+            self.assertIs(type(getattr(layer, attribute, None)), type(value))
         self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, 5))
         favor = LinearAttention(
             2, 4, feature_map="favor_plus", num_features=np.int64(6)
