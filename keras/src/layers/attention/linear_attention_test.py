@@ -1,4 +1,5 @@
 import doctest
+import inspect
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from keras.src import activations
 from keras.src import backend
 from keras.src import constraints
 from keras.src import dtype_policies
+from keras.src import initializers
 from keras.src import layers
 from keras.src import models
 from keras.src import ops
@@ -600,6 +602,48 @@ class LinearAttentionTest(testing.TestCase):
         kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
         with self.assertRaisesRegex(ValueError, f"`{name}.*Received"):
             LinearAttention(**kwargs)
+
+    def test_config_records_every_argument(self):
+        # Each constructor argument, at a value other than its default, is
+        # in the configuration with that value: a key left out would still
+        # round-trip (as the default, both ways) and silently change a
+        # reloaded layer.
+        arguments = {
+            "num_heads": 4,
+            "key_dim": 3,
+            "value_dim": 5,
+            "output_shape": 7,
+            "feature_map": "hedgehog",
+            "use_normalizer": False,
+            "normalization_epsilon": 1e-4,
+            "causal": True,
+            "dropout": 0.25,
+            "use_bias": False,
+            "execution_mode": "recurrent",
+            "kernel_initializer": initializers.Orthogonal(seed=1),
+            "bias_initializer": initializers.Constant(0.5),
+            "kernel_regularizer": regularizers.L2(0.01),
+            "bias_regularizer": regularizers.L1(0.02),
+            "activity_regularizer": regularizers.L1L2(0.03, 0.04),
+            "kernel_constraint": constraints.MaxNorm(2.0),
+            "bias_constraint": constraints.NonNeg(),
+            "seed": 3,
+            "num_key_value_heads": 2,
+            "num_features": 6,
+        }
+        parameters = set(inspect.signature(LinearAttention).parameters)
+        # `projection_dtypes` is written only for quantized projections
+        # (test_quantized_projections); `kwargs` are the base layer's.
+        self.assertEqual(
+            set(arguments), parameters - {"projection_dtypes", "kwargs"}
+        )
+        config = LinearAttention(**arguments).get_config()
+        for name, value in arguments.items():
+            if not isinstance(value, (int, float, str)):
+                value = saving.serialize_keras_object(value)
+            self.assertEqual(config[name], value, msg=name)
+        restored = LinearAttention.from_config(config)
+        self.assertEqual(restored.get_config(), config)
 
     def test_defaults_and_numpy_arguments(self):
         config = LinearAttention(2, 4, name="attention").get_config()
