@@ -1914,6 +1914,19 @@ class LinearAttentionTest(testing.TestCase):
             for gradient in _gradients(layer, x, upstream):
                 self.assertTrue(np.all(np.isfinite(gradient)), dtype)
 
+    def test_elu_plus_one_far_below_zero(self):
+        # Below about -17, elu(x) + 1 computed as expm1(x) + 1 rounds to 0
+        # in float32, where it is exp(x). Projections around -20 (features
+        # ~2e-9) and an epsilon far below the denominators: the outputs are
+        # weighted means of the values, as in the reference, not zero.
+        x = 0.1 * _inputs()
+        for causal in (False, True):
+            layer = _built_layer(causal=causal, normalization_epsilon=1e-30)
+            for dense in (layer.query_dense, layer.key_dense):
+                dense.bias.assign(np.full(dense.bias.shape, -20.0))
+            expected, _ = _np_reference(layer, x)
+            _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
+
     def test_near_zero_denominators_are_finite(self):
         # relu of negative projections is 0, so features are epsilon and the
         # denominator is ~epsilon^2: outputs and gradients must stay finite.
@@ -2422,6 +2435,9 @@ class LinearAttentionTest(testing.TestCase):
             unseeded = _built_layer(feature_map="favor_plus", seed=None)
             drawn.append(backend.convert_to_numpy(unseeded.random_features))
         self.assertAllEqual(drawn[0], drawn[1])
+        # ... and two unseeded layers after one reset differ.
+        unseeded = _built_layer(feature_map="favor_plus", seed=None)
+        self.assertNotAllClose(unseeded.random_features, drawn[0])
         # Redrawing is explicit (never automatic).
         x = _inputs()
         before = layer(x)
@@ -2429,6 +2445,13 @@ class LinearAttentionTest(testing.TestCase):
         layer.redraw_random_features(seed=2)
         self.assertAllEqual(layer.random_features, other.random_features)
         self.assertNotAllClose(layer(x), before)
+        # Without a seed, each redraw draws new features (not the layer's
+        # seed again).
+        layer.redraw_random_features()
+        redrawn = backend.convert_to_numpy(layer.random_features)
+        layer.redraw_random_features()
+        self.assertNotAllClose(layer.random_features, redrawn)
+        self.assertNotAllClose(redrawn, features)
         with self.assertRaisesRegex(ValueError, "favor_plus"):
             _built_layer().redraw_random_features()
         with self.assertRaisesRegex(ValueError, "built=False"):
