@@ -1927,6 +1927,25 @@ class LinearAttentionTest(testing.TestCase):
             expected, _ = _np_reference(layer, x)
             _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
 
+    def test_favor_plus_exponent_cap(self):
+        # A random feature of squared norm 400 and keys equal to it (after
+        # the key_dim^(-1/4) scaling): exponents of |w|^2 / 2 = 200, which
+        # overflow float32 without the cap at 60 (inf features, nan
+        # outputs); the reference caps them the same way.
+        x = 0.1 * _inputs()
+        for causal in (False, True):
+            layer = _built_layer(
+                feature_map="favor_plus", num_features=8, causal=causal
+            )
+            features = backend.convert_to_numpy(layer.random_features)
+            column = features[:, 0] * 20.0 / np.linalg.norm(features[:, 0])
+            features[:, 0] = column
+            layer.random_features.assign(features)
+            bias = np.broadcast_to(column * KEY_DIM**0.25, (NUM_HEADS, KEY_DIM))
+            layer.key_dense.bias.assign(bias)
+            expected, _ = _np_reference(layer, x)
+            _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
+
     def test_near_zero_denominators_are_finite(self):
         # relu of negative projections is 0, so features are epsilon and the
         # denominator is ~epsilon^2: outputs and gradients must stay finite.
