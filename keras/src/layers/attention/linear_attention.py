@@ -1,6 +1,7 @@
 import inspect
 import math
 import numbers
+import warnings
 
 import numpy as np
 
@@ -152,7 +153,11 @@ class LinearAttention(Layer):
               unregistered callable works but the layer cannot be
               serialized.
         use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
-            normalization_epsilon`. Defaults to `True`.
+            normalization_epsilon`. Defaults to `True`. Without it, outputs
+            grow with the number of steps attended to: with a float16
+            compute dtype (`"mixed_float16"`, largest value 65504), long
+            or large inputs give inf outputs (the layer warns; bfloat16
+            has float32's range).
         normalization_epsilon: Positive float added to the normalizer (and
             to the `"relu"` feature map) for numerical stability. Defaults to
             `1e-6`.
@@ -420,6 +425,17 @@ class LinearAttention(Layer):
             )
         self.num_features = num_features
         self.use_normalizer = _boolean("use_normalizer", use_normalizer)
+        if not self.use_normalizer and self.compute_dtype == "float16":
+            warnings.warn(
+                "`LinearAttention` with `use_normalizer=False` and a float16 "
+                "compute dtype: without the normalizer, the attention "
+                "outputs grow with the number of steps attended to, and "
+                "they are cast to float16 (largest value 65504) before the "
+                "output projection, so that long or large inputs give inf "
+                "outputs. Use `use_normalizer=True` or a bfloat16 policy "
+                "such as `mixed_bfloat16`.",
+                stacklevel=2,
+            )
         if not (
             _is_real(normalization_epsilon)
             and 0 < normalization_epsilon < math.inf

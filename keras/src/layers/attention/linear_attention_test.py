@@ -1633,6 +1633,16 @@ class LinearAttentionTest(testing.TestCase):
 
     # Precision.
 
+    def test_float16_without_normalizer_warns(self):
+        # Unnormalized outputs grow with the steps attended to: a float16
+        # compute dtype overflows at 65504 (inf outputs); bfloat16 does not.
+        with self.assertWarnsRegex(UserWarning, "use_normalizer=False"):
+            LinearAttention(2, 4, use_normalizer=False, dtype="mixed_float16")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            LinearAttention(2, 4, use_normalizer=False, dtype="mixed_bfloat16")
+            LinearAttention(2, 4, dtype="mixed_float16")
+
     @parameterized.product(
         dtype=["float16", "bfloat16"], extension=[None] + list(EXTENSIONS)
     )
