@@ -919,7 +919,10 @@ class LinearAttention(Layer):
         value = ops.cast(self._value_dense(inputs), dtype)
         if mask is not None:
             # Masked after the feature map (elu(0) + 1 is not 0, and the
-            # projections add their biases).
+            # projections add their biases). Zero keys alone remove masked
+            # steps from the state and the normaliser; the values are
+            # zeroed too so that no later change to the products can bring
+            # them back (tests cannot tell the two apart).
             step_mask = mask[:, :, None, None]
             key = ops.where(step_mask, key, ops.zeros_like(key))
             value = ops.where(step_mask, value, ops.zeros_like(value))
@@ -954,6 +957,9 @@ class LinearAttention(Layer):
         if mask is not None:
             # Masked query positions: zero attention output, so that nothing
             # computed from padding reaches the projection or its gradients.
+            # (The zeroed layer output below already stops their gradients;
+            # this keeps the projection's inputs clean, e.g. for the input
+            # statistics that GPTQ or AWQ quantization collects.)
             outputs = ops.where(
                 mask[:, :, None, None], outputs, ops.zeros_like(outputs)
             )

@@ -1631,6 +1631,33 @@ class LinearAttentionTest(testing.TestCase):
         # float16 output projection, which can flip its last bit.
         _assert_close(_stream(layer, x, [30, 40])[0], y, MIXED_RTOL["float16"])
 
+    def test_dtype_policy_map_inside_a_model(self):
+        # Map entries are keyed by the layer's path, which is not its name
+        # inside another layer or model: "wrapper/attention/query" here.
+        policy_map = dtype_policies.DTypePolicyMap()
+        quantized = dtype_policies.QuantizedDTypePolicy("int8", "float32")
+        for name in ("query", "key", "value"):
+            policy_map[f"wrapper/attention/{name}"] = quantized
+
+        class Wrapper(models.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.attention = _layer(
+                    causal=True, dtype=policy_map, name="attention"
+                )
+
+            def call(self, x):
+                return self.attention(x)
+
+        wrapper = Wrapper(name="wrapper")
+        y = wrapper(_inputs())
+        layer = wrapper.attention
+        self.assertEqual(layer.path, "wrapper/attention")
+        for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
+            self.assertDType(dense._kernel, "int8")
+        self.assertDType(layer.output_dense.kernel, "float32")
+        self.assertDType(y, "float32")
+
     # Precision.
 
     def test_float16_without_normalizer_warns(self):
@@ -1955,6 +1982,29 @@ class LinearAttentionTest(testing.TestCase):
             layer.key_dense.bias.assign(bias)
             expected, _ = _np_reference(layer, x)
             _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
+
+    def test_favor_plus_query_shift(self):
+        # A random feature of squared norm 400 and queries and keys both
+        # along it: query exponents near the cap of 60, which the query
+        # features' per-token shift brings down to 0 before `exp` (the
+        # float32 products of features near exp(60) with keys near exp(60)
+        # overflow without it). The float64 reference shifts them too.
+        x = 0.1 * _inputs()
+        for causal in (False, True):
+            layer = _built_layer(
+                feature_map="favor_plus", num_features=8, causal=causal
+            )
+            features = backend.convert_to_numpy(layer.random_features)
+            column = features[:, 0] * 20.0 / np.linalg.norm(features[:, 0])
+            features[:, 0] = column
+            layer.random_features.assign(features)
+            bias = np.broadcast_to(column * KEY_DIM**0.25, (NUM_HEADS, KEY_DIM))
+            layer.query_dense.bias.assign(bias)
+            layer.key_dense.bias.assign(bias)
+            y = backend.convert_to_numpy(layer(x))
+            self.assertTrue(np.all(np.isfinite(y)), msg=causal)
+            expected, _ = _np_reference(layer, x)
+            _assert_close(y, expected, FLOAT32_RTOL, msg=causal)
 
     def test_near_zero_denominators_are_finite(self):
         # relu of negative projections is 0, so features are epsilon and the
