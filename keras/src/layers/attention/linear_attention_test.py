@@ -1964,11 +1964,16 @@ class LinearAttentionTest(testing.TestCase):
             expected, _ = _np_reference(layer, x)
             _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
 
-    def test_favor_plus_exponent_cap(self):
-        # A random feature of squared norm 400 and keys equal to it (after
-        # the key_dim^(-1/4) scaling): exponents of |w|^2 / 2 = 200, which
-        # overflow float32 without the cap at 60 (inf features, nan
-        # outputs); the reference caps them the same way.
+    @parameterized.named_parameters(
+        ("keys", ("key",)), ("queries_and_keys", ("query", "key"))
+    )
+    def test_favor_plus_large_exponents(self, projections):
+        # A random feature of squared norm 400, and keys (and queries) equal
+        # to it after the key_dim^(-1/4) scaling: exponents of
+        # |w|^2 / 2 = 200. Keys need the cap at 60 (inf features, nan
+        # outputs without it); queries at the cap need their per-token
+        # shift as well (features near exp(60) times keys near exp(60)
+        # overflow float32). The float64 reference caps and shifts too.
         x = 0.1 * _inputs()
         for causal in (False, True):
             layer = _built_layer(
@@ -1979,28 +1984,8 @@ class LinearAttentionTest(testing.TestCase):
             features[:, 0] = column
             layer.random_features.assign(features)
             bias = np.broadcast_to(column * KEY_DIM**0.25, (NUM_HEADS, KEY_DIM))
-            layer.key_dense.bias.assign(bias)
-            expected, _ = _np_reference(layer, x)
-            _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
-
-    def test_favor_plus_query_shift(self):
-        # A random feature of squared norm 400 and queries and keys both
-        # along it: query exponents near the cap of 60, which the query
-        # features' per-token shift brings down to 0 before `exp` (the
-        # float32 products of features near exp(60) with keys near exp(60)
-        # overflow without it). The float64 reference shifts them too.
-        x = 0.1 * _inputs()
-        for causal in (False, True):
-            layer = _built_layer(
-                feature_map="favor_plus", num_features=8, causal=causal
-            )
-            features = backend.convert_to_numpy(layer.random_features)
-            column = features[:, 0] * 20.0 / np.linalg.norm(features[:, 0])
-            features[:, 0] = column
-            layer.random_features.assign(features)
-            bias = np.broadcast_to(column * KEY_DIM**0.25, (NUM_HEADS, KEY_DIM))
-            layer.query_dense.bias.assign(bias)
-            layer.key_dense.bias.assign(bias)
+            for name in projections:
+                getattr(layer, f"{name}_dense").bias.assign(bias)
             y = backend.convert_to_numpy(layer(x))
             self.assertTrue(np.all(np.isfinite(y)), msg=causal)
             expected, _ = _np_reference(layer, x)
