@@ -1037,6 +1037,15 @@ class LinearAttention(Layer):
             outputs = self._readout(numerator, denominator)
             return (key_value, key_sum), self._merge_heads(outputs)
 
+        if query.shape[1] == 1:
+            # One step (a decoding step: what "auto" runs for one token)
+            # needs no loop. Eager calls on JAX would otherwise compile the
+            # scan again on every call, its step function being new each
+            # time: 0.16 s per token on this project's CPU machine.
+            state, outputs = step(
+                initial_state, (query[:, 0], key[:, 0], value[:, 0])
+            )
+            return outputs[:, None], state
         # Time-major for the scan: (time, batch, heads, features).
         sequences = tuple(
             ops.transpose(x, (1, 0, 2, 3)) for x in (query, key, value)
