@@ -270,7 +270,10 @@ def _gradients(layer, x, upstream, **call_kwargs):
             )
             return jnp.sum(y.astype("float32") * upstream)
 
-        grad_weights, grad_x = jax.grad(loss, argnums=(0, 1))(
+        # Compiled as one program: eager `jax.grad` compiles each of its
+        # hundreds of operations on its own, for each new shape (seconds
+        # per call on this project's machines).
+        grad_weights, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(
             [v.value for v in layer.trainable_variables], jnp.asarray(x)
         )
         grads = [grad_x] + list(grad_weights)
@@ -1901,25 +1904,26 @@ class LinearAttentionTest(testing.TestCase):
                 layer = _built_layer(
                     causal=causal, dtype="float64", extension=extension
                 )
-                # Fewer steps for the later additions (eager calls per input
-                # element are the cost).
-                shape = (1, 9 if extension is None else 5, INPUT_DIM)
+                # Causal: across a chunk edge, so that the gradients of the
+                # prefix over chunks are checked too.
+                length = layer._chunk_size + 3 if causal else 9
+                shape = (1, length, INPUT_DIM)
                 x = _inputs(shape, dtype="float64")
                 upstream = _inputs(shape, seed=2, dtype="float64")
                 analytic = _gradients(layer, x, upstream)[0]
 
-                def loss(x):
-                    y = backend.convert_to_numpy(layer(x))
-                    return float(np.sum(y * upstream))
-
+                # Central differences, every input element shifted in a
+                # batch of its own: one call for all of them (the examples
+                # of a batch are independent).
                 step = 1e-6
-                numeric = np.zeros_like(x)
-                for index in np.ndindex(*x.shape):
-                    shifted = x.copy()
-                    shifted[index] += step
-                    plus = loss(shifted)
-                    shifted[index] -= 2 * step
-                    numeric[index] = (plus - loss(shifted)) / (2 * step)
+                shifts = step * np.eye(x.size).reshape((x.size,) + shape[1:])
+                shifted = np.concatenate([x + shifts, x - shifts])
+                losses = np.sum(
+                    backend.convert_to_numpy(layer(shifted)) * upstream,
+                    axis=(1, 2),
+                )
+                numeric = (losses[: x.size] - losses[x.size :]) / (2 * step)
+                numeric = numeric.reshape(x.shape)
                 _assert_close(
                     analytic, numeric, FINITE_DIFFERENCE_RTOL, extension
                 )
