@@ -920,9 +920,9 @@ class LinearAttention(Layer):
         if mask is not None:
             # Masked after the feature map (elu(0) + 1 is not 0, and the
             # projections add their biases). Zero keys alone remove masked
-            # steps from the state and the normaliser; the values are
-            # zeroed too so that no later change to the products can bring
-            # them back (tests cannot tell the two apart).
+            # steps from the state and the normaliser; zeroing the values
+            # too is defensive (not needed by the products as they are), so
+            # that a later change to them cannot bring masked steps back.
             step_mask = mask[:, :, None, None]
             key = ops.where(step_mask, key, ops.zeros_like(key))
             value = ops.where(step_mask, value, ops.zeros_like(value))
@@ -1039,9 +1039,9 @@ class LinearAttention(Layer):
 
         if query.shape[1] == 1:
             # One step (a decoding step: what "auto" runs for one token)
-            # needs no loop. Eager calls on JAX would otherwise compile the
-            # scan again on every call, its step function being new each
-            # time: 0.16 s per token on this project's CPU machine.
+            # needs no loop. Eager calls on JAX would otherwise trace and
+            # compile the scan again on every call, its step function being
+            # a new closure each time.
             state, outputs = step(
                 initial_state, (query[:, 0], key[:, 0], value[:, 0])
             )

@@ -271,8 +271,7 @@ def _gradients(layer, x, upstream, **call_kwargs):
             return jnp.sum(y.astype("float32") * upstream)
 
         # Compiled as one program: eager `jax.grad` compiles each of its
-        # hundreds of operations on its own, for each new shape (seconds
-        # per call on this project's machines).
+        # hundreds of operations on its own, for each new shape.
         grad_weights, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(
             [v.value for v in layer.trainable_variables], jnp.asarray(x)
         )
@@ -963,6 +962,25 @@ class LinearAttentionTest(testing.TestCase):
                         FLOAT32_PARITY_RTOL,
                         message,
                     )
+
+    @parameterized.named_parameters(
+        ("normalized", True, None),
+        ("unnormalized", False, None),
+        ("grouped_unnormalized", False, "grouped"),
+    )
+    def test_one_token_calls_match_reference(self, use_normalizer, extension):
+        # One-token calls run the recurrent step without a scan: the
+        # outputs of five such calls and the state after them.
+        layer = _built_layer(
+            causal=True, use_normalizer=use_normalizer, extension=extension
+        )
+        x = _inputs((BATCH, 5, INPUT_DIM))
+        expected, expected_state = _np_reference(layer, x)
+        y, state = _stream(layer, x, [1] * 5)
+        _assert_close(y, expected, FLOAT32_RTOL)
+        self.assertLen(state, len(expected_state))
+        for actual, reference in zip(state, expected_state):
+            _assert_close(actual, reference, FLOAT32_RTOL)
 
     @parameterized.named_parameters(
         [
