@@ -10,6 +10,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 BACKENDS ?= tensorflow jax torch
+# The test runs of the backends go at the same time; SERIAL=1 runs them one
+# after the other (see tools/run_tests.sh).
+SERIAL ?= 0
 # restore-upstream needs no venv: any Python >= 3.11 runs the tool.
 TOOL_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
@@ -41,7 +44,7 @@ format: $(STAMP)
 	git ls-files -z '*.py' | xargs -0 -r $(VENV)/bin/ruff format
 
 test: setup lint
-	@BACKENDS="$(BACKENDS)" PY=$(PY) tools/run_tests.sh
+	@BACKENDS="$(BACKENDS)" SERIAL="$(SERIAL)" PY=$(PY) tools/run_tests.sh
 
 test-tools: setup
 	$(PY) -m pytest tools/tests

@@ -4,11 +4,18 @@
 # benchmarks/) once per backend. Prints each run's wall time; exits non-zero
 # if any run fails.
 # Used by `make test`, which sets up the venv and the upstream tree first.
+#
+# The runs go at the same time, each pytest in its own process writing its
+# own log, and each log is printed whole, in order, once its run is over
+# (SERIAL=1: one run after the other, output as it comes). On a 2-core
+# machine most of the JAX run is XLA compiling, on one core, and it is the
+# longest run: beside it, the others use what it leaves.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 BACKENDS=${BACKENDS:-tensorflow jax torch}
+SERIAL=${SERIAL:-0}
 
 # The project's test files: tracked, or new and not ignored. Upstream's test
 # files are excluded by exact path (.git/info/exclude), so they never appear.
@@ -32,10 +39,12 @@ if [ "${#TESTS[@]}" -eq 0 ]; then
   exit 1
 fi
 
-failed=0
-summary=()
+LOGS=$(mktemp -d) || exit 1
+trap 'rm -rf "$LOGS"' EXIT
 
-# run NAME PYTEST-ARGS...: pytest exit 5 (no tests collected) is not a failure.
+# run NAME PYTEST-ARGS...: writes NAME's summary line to $LOGS/NAME.summary
+# and returns non-zero if it failed. pytest exit 5 (no tests collected) is
+# not a failure.
 run() {
   local name=$1 start rc secs
   shift
@@ -47,22 +56,57 @@ run() {
   [ "$rc" -eq 5 ] && rc=0
   secs=$(( (${EPOCHREALTIME/./} - start) / 100000 ))
   secs="$((secs / 10)).$((secs % 10))s"
-  if [ "$rc" -eq 0 ]; then
-    summary+=("$(printf '%-12s passed  %8s' "$name" "$secs")")
-  else
-    summary+=("$(printf '%-12s FAILED  %8s  (pytest exit %d)' "$name" "$secs" "$rc")")
-    failed=1
-  fi
   echo "==== $name: wall time $secs ===="
+  if [ "$rc" -eq 0 ]; then
+    printf '%-12s passed  %8s\n' "$name" "$secs" > "$LOGS/$name.summary"
+  else
+    printf '%-12s FAILED  %8s  (pytest exit %d)\n' "$name" "$secs" "$rc" \
+      > "$LOGS/$name.summary"
+  fi
+  return "$rc"
 }
 
-run tooling tools/tests
+NAMES=(tooling $BACKENDS)
+# start NAME: runs NAME's tests (NAME is "tooling" or a backend).
+start() {
+  if [ "$1" = tooling ]; then
+    run tooling tools/tests
+  else
+    KERAS_BACKEND=$1 run "$1" "${TESTS[@]}"
+  fi
+}
 
-for backend in $BACKENDS; do
-  KERAS_BACKEND=$backend run "$backend" "${TESTS[@]}"
-done
+failed=0
+if [ "$SERIAL" = 1 ]; then
+  for name in "${NAMES[@]}"; do
+    start "$name" || failed=1
+  done
+else
+  pids=()
+  for name in "${NAMES[@]}"; do
+    (
+      # PyTorch's default of one thread per core made its run slower
+      # beside the others than one thread does (the tests' tensors are
+      # small), and so the JAX run too.
+      [ "$name" = torch ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+      start "$name"
+    ) > "$LOGS/$name.log" 2>&1 &
+    pids+=($!)
+  done
+  echo "Running ${NAMES[*]} at the same time; each log follows when its" \
+    "run is over (SERIAL=1 runs them one after the other)."
+  for i in "${!NAMES[@]}"; do
+    wait "${pids[$i]}" || failed=1
+    cat "$LOGS/${NAMES[$i]}.log"
+  done
+fi
 
 echo
 echo "==== summary ===="
-printf '%s\n' "${summary[@]}"
+for name in "${NAMES[@]}"; do
+  if ! cat "$LOGS/$name.summary" 2>/dev/null; then
+    printf '%-12s FAILED  (no result)\n' "$name"
+    failed=1
+  fi
+done
 exit "$failed"
