@@ -83,6 +83,12 @@ if [ "$SERIAL" = 1 ]; then
   done
 else
   pids=()
+  # Each run in a process group of its own (job control on): an interrupt
+  # or a TERM then stops every process of every run (a background job of
+  # a script without job control would ignore an interrupt, and a killed
+  # subshell would leave its pytest running).
+  trap 'kill -TERM -- "${pids[@]/#/-}" 2>/dev/null; exit 130' INT TERM
+  set -m
   for name in "${NAMES[@]}"; do
     (
       # PyTorch's default of one thread per core made its run slower
@@ -93,6 +99,7 @@ else
     ) > "$LOGS/$name.log" 2>&1 &
     pids+=($!)
   done
+  set +m
   echo "Running ${NAMES[*]} at the same time; each log follows when its" \
     "run is over (SERIAL=1 runs them one after the other)."
   for i in "${!NAMES[@]}"; do
