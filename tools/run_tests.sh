@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# Runs the project's tests: the tooling tests once, then the project's Keras
+# Runs the project's tests: the tooling tests once, and the project's Keras
 # tests (its own *_test.py files under keras/, integration_tests/ and
 # benchmarks/) once per backend. Prints each run's wall time; exits non-zero
 # if any run fails.
 # Used by `make test`, which sets up the venv and the upstream tree first.
 #
-# The runs go at the same time, each pytest in its own process writing its
-# own log, and each log is printed whole, in order, once its run is over
-# (SERIAL=1: one run after the other, output as it comes). On a 2-core
-# machine most of the JAX run is XLA compiling, on one core, and it is the
-# longest run: beside it, the others use what it leaves.
+# The runs go at the same time, each writing its own log, and each log is
+# printed whole as soon as its run is over. JAX's run is the longest and
+# mostly single-threaded XLA compiling, so the other runs fit around it.
+# (Their wall times then include waiting for the CPU.) SERIAL=1 runs them
+# one after the other, with the output as it comes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 BACKENDS=${BACKENDS:-tensorflow jax torch}
 SERIAL=${SERIAL:-0}
+[ "$SERIAL" = 0 ] || SERIAL=1
 
 # The project's test files: tracked, or new and not ignored. Upstream's test
 # files are excluded by exact path (.git/info/exclude), so they never appear.
@@ -66,7 +67,11 @@ run() {
   return "$rc"
 }
 
-NAMES=(tooling $BACKENDS)
+# The runs' names, each once (a name is also the name of its log).
+NAMES=(tooling)
+for backend in $BACKENDS; do
+  [[ " ${NAMES[*]} " == *" $backend "* ]] || NAMES+=("$backend")
+done
 # start NAME: runs NAME's tests (NAME is "tooling" or a backend).
 start() {
   if [ "$1" = tooling ]; then
@@ -82,29 +87,37 @@ if [ "$SERIAL" = 1 ]; then
     start "$name" || failed=1
   done
 else
-  pids=()
-  # Each run in a process group of its own (job control on): an interrupt
-  # or a TERM then stops every process of every run (a background job of
-  # a script without job control would ignore an interrupt, and a killed
-  # subshell would leave its pytest running).
-  trap 'kill -TERM -- "${pids[@]/#/-}" 2>/dev/null; exit 130' INT TERM
+  declare -A names_by_pid=()
+  # Each run in a process group of its own (job control on): an interrupt,
+  # a TERM or a hang-up then stops every process of every run. (Without
+  # job control, background jobs ignore interrupts, and killing a run's
+  # subshell would leave its pytest running.)
+  stop() {
+    local pid
+    for pid in "${!names_by_pid[@]}"; do
+      kill -TERM -- "-$pid" 2>/dev/null
+    done
+  }
+  trap 'stop; exit 129' HUP
+  trap 'stop; exit 130' INT
+  trap 'stop; exit 143' TERM
   set -m
   for name in "${NAMES[@]}"; do
     (
-      # PyTorch's default of one thread per core made its run slower
-      # beside the others than one thread does (the tests' tensors are
-      # small), and so the JAX run too.
+      # PyTorch uses one thread per core by default. Next to the other
+      # runs that slowed both its run and JAX's (the tests' tensors are
+      # small), so it gets one thread unless OMP_NUM_THREADS is set.
       [ "$name" = torch ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
       start "$name"
-    ) > "$LOGS/$name.log" 2>&1 &
-    pids+=($!)
+    ) < /dev/null > "$LOGS/$name.log" 2>&1 &
+    names_by_pid[$!]=$name
   done
   set +m
   echo "Running ${NAMES[*]} at the same time; each log follows when its" \
     "run is over (SERIAL=1 runs them one after the other)."
-  for i in "${!NAMES[@]}"; do
-    wait "${pids[$i]}" || failed=1
-    cat "$LOGS/${NAMES[$i]}.log"
+  for _ in "${NAMES[@]}"; do
+    wait -n -p finished || failed=1
+    cat "$LOGS/${names_by_pid[$finished]}.log"
   done
 fi
 
