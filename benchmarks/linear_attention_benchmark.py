@@ -169,7 +169,20 @@ def _make_layer(kind, causal, execution_mode="parallel"):
         return SelfAttention()
 
     class Projections(keras.layers.Layer):
-        """The floor: query, key, value and output projections only."""
+        """The floor: query, key, value and output projections only.
+
+        Nothing else: the output projection takes the queries, and the
+        keys and values are returned beside its result, so that no
+        compiler drops them (forward+backward sums all three outputs, see
+        `_compile`). Summing them into the output projection's input
+        added two element-wise passes to the floor. The output equation is
+        MultiHeadAttention's, whose labels follow the input's axes:
+        PyTorch's `einsum` orders the contracted axes by label, and
+        "bthd,hdm->btm" (d before h) copied its input into that order
+        first. Together they made the floor 4-6% slower than the
+        projections need on PyTorch at 4k, eager and compiled, and so
+        LinearAttention / floor lower.
+        """
 
         def __init__(self):
             super().__init__()
@@ -180,12 +193,12 @@ def _make_layer(kind, causal, execution_mode="parallel"):
                 for _ in range(3)
             ]
             self.output_dense = keras.layers.EinsumDense(
-                "bthd,hdm->btm", (None, MODEL_DIM)
+                "abcd,cde->abe", (None, MODEL_DIM)
             )
 
         def call(self, x):
             q, k, v = (dense(x) for dense in self.dense)
-            return self.output_dense(q + k + v)
+            return self.output_dense(q), k, v
 
     return Projections()
 
@@ -219,7 +232,8 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
     """A function of `x` running `layer` forward or forward+backward.
 
     `x`: a tensor of the backend (`_on_backend`). `compiled`: PyTorch
-    only, under `torch.compile` instead of eager.
+    only, under `torch.compile` instead of eager. Forward+backward
+    differentiates the sum of all of the layer's outputs.
     """
     keras = _keras()
     backend = keras.backend.backend()
@@ -241,7 +255,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
         else:
             # Named: the memory points find its XLA module by this name.
             def gradients(w, x):
-                return jnp.sum(jax.tree.leaves(forward(w, x))[0])
+                return sum(jnp.sum(y) for y in jax.tree.leaves(forward(w, x)))
 
             function = jax.jit(jax.grad(gradients, argnums=(0, 1)))
         return lambda x: jax.block_until_ready(function(trainable, x))
@@ -257,8 +271,8 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
             def gradients(x):
                 with tf.GradientTape() as tape:
                     tape.watch(x)
-                    out = tf.nest.flatten(layer(x, **call_kwargs))[0]
-                    loss = tf.reduce_sum(out)
+                    outputs = tf.nest.flatten(layer(x, **call_kwargs))
+                    loss = tf.add_n([tf.reduce_sum(y) for y in outputs])
                 return tape.gradient(
                     loss, [x] + [v.value for v in layer.trainable_variables]
                 )
@@ -277,9 +291,9 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
             with torch.no_grad():
                 return module(x, **call_kwargs)
         x = x.detach().requires_grad_(True)
-        out = module(x, **call_kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        out.sum().backward()
+        outputs = module(x, **call_kwargs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        sum(y.sum() for y in outputs).backward()
         for variable in layer.trainable_variables:
             variable.value.grad = None
         return x.grad
