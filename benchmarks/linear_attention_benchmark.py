@@ -172,16 +172,9 @@ def _make_layer(kind, causal, execution_mode="parallel"):
         """The floor: query, key, value and output projections only.
 
         Nothing else: the output projection takes the queries, and the
-        keys and values are returned beside its result, so that no
-        compiler drops them (forward+backward sums all three outputs, see
-        `_compile`). Summing them into the output projection's input
-        added two element-wise passes to the floor. The output equation is
-        MultiHeadAttention's, whose labels follow the input's axes:
-        PyTorch's `einsum` orders the contracted axes by label, and
-        "bthd,hdm->btm" (d before h) copied its input into that order
-        first. Together they made the floor 4-6% slower than the
-        projections need on PyTorch at 4k, eager and compiled, and so
-        LinearAttention / floor lower.
+        keys and values are returned beside its result, so that every
+        projection is computed (forward+backward returns the loss, the sum
+        of all three outputs, see `_compile`).
         """
 
         def __init__(self):
@@ -192,6 +185,9 @@ def _make_layer(kind, causal, execution_mode="parallel"):
                 )
                 for _ in range(3)
             ]
+            # MultiHeadAttention's equation. Its contracted labels are in
+            # the input's axis order: PyTorch's `einsum` orders them by
+            # label, and "bthd,hdm->btm" (d before h) copied its input.
             self.output_dense = keras.layers.EinsumDense(
                 "abcd,cde->abe", (None, MODEL_DIM)
             )
@@ -233,7 +229,11 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
 
     `x`: a tensor of the backend (`_on_backend`). `compiled`: PyTorch
     only, under `torch.compile` instead of eager. Forward+backward
-    differentiates the sum of all of the layer's outputs.
+    differentiates the sum of all of the layer's outputs and, like a
+    training step, returns that loss with the gradients: under XLA a step
+    returning only the gradients skipped every forward computation they
+    do not need (the output projection's, the floor's key and value
+    projections).
     """
     keras = _keras()
     backend = keras.backend.backend()
@@ -257,7 +257,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
             def gradients(w, x):
                 return sum(jnp.sum(y) for y in jax.tree.leaves(forward(w, x)))
 
-            function = jax.jit(jax.grad(gradients, argnums=(0, 1)))
+            function = jax.jit(jax.value_and_grad(gradients, argnums=(0, 1)))
         return lambda x: jax.block_until_ready(function(trainable, x))
     if backend == "tensorflow":
         import tensorflow as tf
@@ -273,7 +273,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
                     tape.watch(x)
                     outputs = tf.nest.flatten(layer(x, **call_kwargs))
                     loss = tf.add_n([tf.reduce_sum(y) for y in outputs])
-                return tape.gradient(
+                return loss, tape.gradient(
                     loss, [x] + [v.value for v in layer.trainable_variables]
                 )
 
@@ -291,8 +291,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
             with torch.no_grad():
                 return module(x, **call_kwargs)
         x = x.detach().requires_grad_(True)
-        outputs = module(x, **call_kwargs)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        outputs = keras.tree.flatten(module(x, **call_kwargs))
         sum(y.sum() for y in outputs).backward()
         for variable in layer.trainable_variables:
             variable.value.grad = None
