@@ -171,17 +171,21 @@ def _make_layer(kind, causal, execution_mode="parallel"):
     class Projections(keras.layers.Layer):
         """The floor: query, key, value and output projections only.
 
-        Nothing else: the output projection takes the queries, and the
-        keys and values are returned beside its result, so that every
-        projection is computed (forward+backward returns the loss, the sum
-        of all three outputs, see `_compile`).
+        With biases, as in LinearAttention and MultiHeadAttention (both
+        `use_bias=True` by default), and nothing else: the output
+        projection takes the queries, and the keys and values are
+        returned beside its result, so that every projection is computed
+        in the forward pass (forward+backward also sums them into its
+        loss, see `_compile`).
         """
 
         def __init__(self):
             super().__init__()
             self.dense = [
                 keras.layers.EinsumDense(
-                    "btm,mhd->bthd", (None, NUM_HEADS, HEAD_DIM)
+                    "btm,mhd->bthd",
+                    (None, NUM_HEADS, HEAD_DIM),
+                    bias_axes="hd",
                 )
                 for _ in range(3)
             ]
@@ -189,7 +193,7 @@ def _make_layer(kind, causal, execution_mode="parallel"):
             # the input's axis order: PyTorch's `einsum` orders them by
             # label, and "bthd,hdm->btm" (d before h) copied its input.
             self.output_dense = keras.layers.EinsumDense(
-                "abcd,cde->abe", (None, MODEL_DIM)
+                "abcd,cde->abe", (None, MODEL_DIM), bias_axes="e"
             )
 
         def call(self, x):
@@ -229,11 +233,12 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
 
     `x`: a tensor of the backend (`_on_backend`). `compiled`: PyTorch
     only, under `torch.compile` instead of eager. Forward+backward
-    differentiates the sum of all of the layer's outputs and, like a
-    training step, returns that loss with the gradients: under XLA a step
-    returning only the gradients skipped every forward computation they
-    do not need (the output projection's, the floor's key and value
-    projections).
+    differentiates the sum of all of the layer's outputs. On JAX and
+    TensorFlow it returns that loss with the gradients, like a training
+    step: under XLA a step returning only the gradients skipped the
+    forward computations they do not need (every kind's output
+    projection, and the floor's key and value projections). On PyTorch it
+    returns the input's gradient.
     """
     keras = _keras()
     backend = keras.backend.backend()
