@@ -228,23 +228,27 @@ def _wait_for(result):
     return result
 
 
+def _loss(outputs):
+    """The sum of every element of every output (a tensor or a tuple)."""
+    ops = _keras().ops
+    return sum(ops.sum(y) for y in _keras().tree.flatten(outputs))
+
+
 def _compile(layer, mode, compiled=False, **call_kwargs):
     """A function of `x` running `layer` forward or forward+backward.
 
     `x`: a tensor of the backend (`_on_backend`). `compiled`: PyTorch
     only, under `torch.compile` instead of eager. Forward+backward
-    differentiates the sum of all of the layer's outputs. On JAX and
-    TensorFlow it returns that loss with the gradients, like a training
-    step: under XLA a step returning only the gradients skipped the
-    forward computations they do not need (every kind's output
-    projection, and the floor's key and value projections). On PyTorch it
-    returns the input's gradient.
+    differentiates `_loss`. On JAX and TensorFlow it returns that loss
+    with the gradients, like a training step: under XLA, a step returning
+    only the gradients would skip the forward computations they do not
+    need (every kind's output projection, and the floor's key and value
+    projections). On PyTorch it returns the input's gradient.
     """
     keras = _keras()
     backend = keras.backend.backend()
     if backend == "jax":
         import jax
-        import jax.numpy as jnp
 
         trainable = [v.value for v in layer.trainable_variables]
         non_trainable = [v.value for v in layer.non_trainable_variables]
@@ -260,7 +264,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
         else:
             # Named: the memory points find its XLA module by this name.
             def gradients(w, x):
-                return sum(jnp.sum(y) for y in jax.tree.leaves(forward(w, x)))
+                return _loss(forward(w, x))
 
             function = jax.jit(jax.value_and_grad(gradients, argnums=(0, 1)))
         return lambda x: jax.block_until_ready(function(trainable, x))
@@ -276,8 +280,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
             def gradients(x):
                 with tf.GradientTape() as tape:
                     tape.watch(x)
-                    outputs = tf.nest.flatten(layer(x, **call_kwargs))
-                    loss = tf.add_n([tf.reduce_sum(y) for y in outputs])
+                    loss = _loss(layer(x, **call_kwargs))
                 return loss, tape.gradient(
                     loss, [x] + [v.value for v in layer.trainable_variables]
                 )
@@ -296,8 +299,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
             with torch.no_grad():
                 return module(x, **call_kwargs)
         x = x.detach().requires_grad_(True)
-        outputs = keras.tree.flatten(module(x, **call_kwargs))
-        sum(y.sum() for y in outputs).backward()
+        _loss(module(x, **call_kwargs)).backward()
         for variable in layer.trainable_variables:
             variable.value.grad = None
         return x.grad
