@@ -234,7 +234,7 @@ def _loss(outputs):
     return sum(ops.sum(y) for y in _keras().tree.flatten(outputs))
 
 
-def _compile(layer, mode, compiled=False, **call_kwargs):
+def _compile(layer, mode, compiled=False):
     """A function of `x` running `layer` forward or forward+backward.
 
     `x`: a tensor of the backend (`_on_backend`). `compiled`: PyTorch
@@ -254,10 +254,7 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
         non_trainable = [v.value for v in layer.non_trainable_variables]
 
         def forward(trainable, x):
-            out = layer.stateless_call(
-                trainable, non_trainable, x, **call_kwargs
-            )[0]
-            return out
+            return layer.stateless_call(trainable, non_trainable, x)[0]
 
         if mode == "forward":
             function = jax.jit(forward)
@@ -272,15 +269,13 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
         import tensorflow as tf
 
         if mode == "forward":
-            function = tf.function(
-                lambda x: layer(x, **call_kwargs), jit_compile=True
-            )
+            function = tf.function(lambda x: layer(x), jit_compile=True)
         else:
 
             def gradients(x):
                 with tf.GradientTape() as tape:
                     tape.watch(x)
-                    loss = _loss(layer(x, **call_kwargs))
+                    loss = _loss(layer(x))
                 return loss, tape.gradient(
                     loss, [x] + [v.value for v in layer.trainable_variables]
                 )
@@ -297,9 +292,9 @@ def _compile(layer, mode, compiled=False, **call_kwargs):
     def run(x):
         if mode == "forward":
             with torch.no_grad():
-                return module(x, **call_kwargs)
+                return module(x)
         x = x.detach().requires_grad_(True)
-        _loss(module(x, **call_kwargs)).backward()
+        _loss(module(x)).backward()
         for variable in layer.trainable_variables:
             variable.value.grad = None
         return x.grad
