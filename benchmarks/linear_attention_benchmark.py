@@ -269,7 +269,7 @@ def _compile(layer, mode, compiled=False):
         import tensorflow as tf
 
         if mode == "forward":
-            function = tf.function(lambda x: layer(x), jit_compile=True)
+            function = tf.function(layer, jit_compile=True)
         else:
 
             def gradients(x):
