@@ -23,10 +23,8 @@ from keras.src.saving import serialization_lib
 _FEATURE_MAPS = ("elu_plus_one", "relu", "favor_plus", "hedgehog")
 # Feature maps with their own size (`num_features`) and weights.
 _SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog")
-# Cap on the exponents of FAVOR+ features: exp(60) ~ 1e26 leaves twelve
-# orders of magnitude of float32 range for sums over time steps. Exponents
-# reach it only for keys nearly aligned with a random feature of squared
-# norm above 120, i.e. not for key_dim <= 64 in practice.
+# Cap on the exponents of FAVOR+ features, so that float32 sums of
+# `exp(60)`-sized features over many steps cannot overflow.
 _FAVOR_MAX_EXPONENT = 60.0
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
@@ -37,255 +35,107 @@ class LinearAttention(Layer):
     """Kernelized linear self-attention layer.
 
     This is an implementation of linear attention as described in
-    [Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236)
-    ("Transformers are RNNs"). The softmax similarity of dot-product
-    attention is replaced by a product of non-negative feature maps,
-    `sim(q, k) = phi(q) . phi(k)`, so that the attention output can be
-    computed from running sums instead of a `(T, T)` attention matrix:
+    [Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236). The
+    softmax similarity of dot-product attention is replaced by a product of
+    non-negative feature maps, `phi(q) . phi(k)`, so that the output is
+    computed from sums over the sequence instead of a `(T, T)` attention
+    matrix: time and memory grow linearly with the sequence length. With
+    `causal=True` the layer is also a recurrent network whose constant-size
+    state can be carried across calls, for streaming and generation.
 
-    ```
-    S = sum_j phi(K_j)^T V_j        (features, value_dim) per head
-    z = sum_j phi(K_j)              (features,) per head
-    Y_i = phi(Q_i) S / (phi(Q_i) . z + epsilon)
-    ```
-
-    Time and memory grow linearly with the sequence length. With
-    `causal=True` the sums run over `j <= i` (the current token is included)
-    and the layer is also a recurrent network: its state `(S, z)` has a
-    constant size and can be carried across calls, so that a full-sequence
-    call, a call per chunk and a call per token give the same outputs.
-
-    The layer first projects `inputs` to queries, keys and values with
-    `EinsumDense` sublayers (named `query`, `key` and `value`, as in
-    `MultiHeadAttention`), applies the feature map to queries and keys,
-    computes the attention above per head, and projects the concatenated
-    head outputs back with a fourth `EinsumDense` (`attention_output`).
-    Feature maps, state and sums run in float32 for float16, bfloat16 and
-    float32 compute dtypes (float64 stays float64; on JAX that needs
-    `jax_enable_x64`); the outputs are returned in the layer's compute
-    dtype.
-
-    The projections are the properties `query_dense`, `key_dense`,
-    `value_dense` and `output_dense`. LoRA (`enable_lora()` on them) and
-    quantization (`Model.quantize()`, or a `DTypePolicyMap` with entries
-    for their paths, such as `"attention/query"` for a layer named
-    `attention` in a Functional model) apply to them as in
-    `MultiHeadAttention`; the attention core and its state keep the
-    accumulator dtype. The layer's configuration records the policies of
-    projections quantized after they were built (`projection_dtypes`), so
-    that a quantized Functional or Sequential model saves and loads as a
-    `.keras` file.
-
-    The built-in feature maps are chosen by name, and their one size
-    (`num_features`, for the random-feature and learnable maps) is a plain
-    argument: the map's part of the configuration is a name and a number,
-    and a map's weights (`random_features`, `feature_map_kernel`)
-    belong to the layer like its projections. Other maps are passed as
-    registered callables or layers.
-
-    Linear attention is a different model from softmax attention, not an
-    approximation of a trained softmax layer, and it is not faster for short
-    sequences: `MultiHeadAttention` is usually the better choice below a few
-    hundred tokens.
+    Queries, keys and values are projected from `inputs` by `EinsumDense`
+    sublayers, as in `MultiHeadAttention`; the feature maps, sums and state
+    run in float32 (float64 for a float64 layer) and the outputs are
+    returned in the layer's compute dtype. For sequences of a few hundred
+    tokens or fewer, `MultiHeadAttention` is usually faster.
 
     Args:
         num_heads: Number of attention heads.
         key_dim: Size of each attention head for query and key.
         value_dim: Size of each attention head for value. Defaults to
             `key_dim`.
-        output_shape: The size of the output's last dimension, an integer
-            (a one-element tuple or list is accepted). Defaults to the last
-            dimension of `inputs`.
-        feature_map: The non-negative feature map `phi` applied to queries
-            and keys, one of:
-            - `"elu_plus_one"` (the default): `elu(x) + 1`.
-            - `"relu"`: `relu(x) + normalization_epsilon`.
-            - `"favor_plus"`: the positive orthogonal random features of the
-              Performer ([Choromanski et al., 2021](
-              https://arxiv.org/abs/2009.14794)), `exp(w . x' - |x'|^2 / 2)
-              / sqrt(num_features)` with `x' = x / key_dim**0.25`, for which
-              `phi(q) . phi(k)` is an unbiased estimate of the softmax kernel
-              `exp(q . k / sqrt(key_dim))`: with the normalizer, the layer
-              approximates softmax attention, better with more features.
-              With the normalizer, each query's features are rescaled so
-              that the largest is `1 / sqrt(num_features)` (a factor per
-              token that cancels in the ratio, up to
-              `normalization_epsilon`), and exponents are capped at 60 so
-              that float32 sums cannot overflow (reached only by keys far
-              outside the usual range, for key_dim above ~100); features
-              are computed in float32 or float64, never with statistics
-              over the sequence.
-              The projection `w` (shared by all heads) is drawn with NumPy
-              from `seed` when the layer is built and kept as the
-              non-trainable weight `random_features`, so that the same seed
-              gives the same features on every backend and a saved model
-              reloads with them. It is not redrawn during training unless
-              `redraw_random_features()` is called.
-              The estimate degrades for keys of large norm: their features
-              shrink like `exp(-|k'|^2 / 2)` (and underflow in float32), and
-              where `phi(q) . z` becomes small against
-              `normalization_epsilon`, outputs shrink towards zero, first
-              in causal layers, whose early steps sum few keys. Keep the
-              layer's inputs normalized (e.g. with `LayerNormalization`);
-              a smaller `normalization_epsilon` widens the usable range.
-            - `"hedgehog"`: a learnable map ([Zhang et al., 2024](
-              https://arxiv.org/abs/2402.04347)), `softmax([x W, -x W])`
-              over the features, with a trainable `(key_dim,
-              num_features // 2)` matrix `W` per key/value head (the weight
-              `feature_map_kernel`, regularized and constrained like the
-              dense kernels), initialized to the identity so that training
-              starts from an exponential kernel over every feature.
-            - A callable (a function, a `Layer`, or an object with
-              `get_config()` and `from_config()`) registered with
-              `keras.saving.register_keras_serializable()`. It receives a
-              tensor of shape `(batch_size, sequence_length, heads,
-              key_dim)` in the accumulator dtype, where `heads` is
-              `num_heads` for queries and `num_key_value_heads` for keys, and
-              must return non-negative values of the same shape (or, in a
-              non-causal layer, with another number of features, the same
-              for queries and keys; the layer checks the shape, not the
-              values, and casts them to the accumulator dtype). A `Layer`
-              is built with this layer, for the queries' shape (weights
-              per head therefore need `num_key_value_heads` equal to
-              `num_heads`), and computes in its own dtype policy: give it
-              `dtype="float32"` under mixed precision (or `"float64"` in a
-              float64 layer) for features in the accumulator dtype. An
-              unregistered callable works but the layer cannot be
-              serialized.
-        use_normalizer: Boolean, whether to divide by `phi(Q_i) . z +
-            normalization_epsilon`. Defaults to `True`. Without it, outputs
-            grow with the number of steps attended to: with a float16
-            compute dtype (`"mixed_float16"`, largest value 65504), long
-            or large inputs give inf outputs (the layer warns; bfloat16
-            has float32's range).
+        output_shape: Size of the output's last dimension. Defaults to the
+            last dimension of `inputs`.
+        feature_map: The feature map `phi` applied to queries and keys:
+            `"elu_plus_one"` (default, `elu(x) + 1`), `"relu"`,
+            `"favor_plus"` (Performer random features estimating the
+            softmax kernel), `"hedgehog"` (a learnable softmax map), or a
+            registered callable or `Layer` returning non-negative features.
+        use_normalizer: Boolean, whether to divide the outputs by
+            `phi(q) . z + normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
-            to the `"relu"` feature map) for numerical stability. Defaults to
-            `1e-6`.
+            to the `"relu"` features). Defaults to `1e-6`.
         causal: Boolean, whether each position attends only to itself and
-            to earlier positions. Causal layers accept and return a
-            recurrent state. Defaults to `False`.
-        dropout: Float in `[0, 1)`. Linear attention has no attention
-            probabilities to drop, so this is the fraction of the
-            concatenated head outputs dropped before the output projection,
-            in training only. Defaults to `0.0`.
+            earlier positions. Defaults to `False`.
+        dropout: Fraction of the concatenated head outputs dropped before
+            the output projection, in training. Defaults to `0.0`.
         use_bias: Boolean, whether the dense layers use bias vectors.
-            Defaults to `True`.
-        execution_mode: The algorithm for causal attention; it never changes
-            weights, configuration or (beyond floating-point rounding)
-            results. `"recurrent"` scans over time steps with
-            `keras.ops.scan` (a `tf.while_loop` on TensorFlow; the
-            reference, used for streaming single tokens). `"parallel"`
-            uses the chunkwise form: a masked `(chunk, chunk)` product
-            inside chunks of a fixed size and the carried state across
-            them. `"auto"` (the default) picks `"recurrent"` for
-            single-step inputs and `"parallel"` otherwise. Non-causal
-            attention has one algorithm (sums over the sequence) whatever
-            this value is.
-        kernel_initializer: Initializer for dense layer kernels. Defaults to
-            `"glorot_uniform"` (also for `None`).
-        bias_initializer: Initializer for dense layer biases. Defaults to
-            `"zeros"` (also for `None`).
+        execution_mode: Algorithm of causal attention: `"parallel"`
+            (chunkwise), `"recurrent"` (one step per token), or `"auto"`
+            (default: recurrent for single-token inputs). It does not
+            change the results beyond rounding.
+        kernel_initializer: Initializer for dense layer kernels.
+        bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
         bias_regularizer: Regularizer for dense layer biases.
-        activity_regularizer: Regularizer for dense layer activity (the
-            outputs of the four projections, as in `MultiHeadAttention`;
-            never the state).
-        kernel_constraint: Constraint for dense layer kernels (and for
-            the `"hedgehog"` kernel, per head, with its `key_dim` axis as
-            the input axis).
+        activity_regularizer: Regularizer for dense layer activity.
+        kernel_constraint: Constraint for dense layer kernels.
         bias_constraint: Constraint for dense layer biases.
-        seed: Optional non-negative integer (at most `2**31 - 1` with
-            dropout) to seed the dropout layer and the FAVOR+ random
-            features (not a `SeedGenerator`: the features are drawn with
-            NumPy from it).
+        seed: Optional non-negative integer to seed the dropout layer and to
+            draw the `"favor_plus"` random features.
         num_key_value_heads: Number of key and value heads, as in
-            `GroupedQueryAttention`: `num_heads` must be a multiple of it,
-            and each group of `num_heads // num_key_value_heads` query heads
-            shares one key/value head. The key and value projections and the
-            causal state have this many heads, so the state is smaller by
-            that factor. Defaults to `num_heads`.
-        num_features: Number of features of `"favor_plus"` (the number of
-            random features; defaults to `4 * key_dim`) and of
-            `"hedgehog"` (twice the columns of `W`, an even number; defaults
-            to `2 * key_dim`). The other feature maps keep `key_dim`
-            features and do not accept this argument. Attention costs grow
-            linearly with it.
-        projection_dtypes: Optional dict from projection names
-            (`"query"`, `"key"`, `"value"`, `"attention_output"`) to the
-            dtype policies of those projections, where they differ from the
-            layer's. Written by `get_config()` for projections quantized
-            after they were built, so that the configuration rebuilds them
-            quantized; not needed otherwise.
+            `GroupedQueryAttention`; `num_heads` must be a multiple of it.
+            Defaults to `num_heads`.
+        num_features: Number of features of `"favor_plus"` (defaults to
+            `4 * key_dim`) and `"hedgehog"` (even; defaults to
+            `2 * key_dim`). The other maps have `key_dim` features.
+        projection_dtypes: Optional dict from projection names to dtype
+            policies, written by `get_config()` for quantized projections.
 
     Call arguments:
-        inputs: Floating tensor of shape
-            `(batch_size, sequence_length, input_dim)`; `input_dim` must be
-            known, batch size and sequence length may be dynamic. This is
-            self-attention: queries, keys and values all come from
-            `inputs`.
-        mask: Optional boolean (or 0/1 numeric) tensor of shape
-            `(batch_size, sequence_length)`, or broadcastable to it, marking
-            valid time steps with `True`. Invalid steps contribute nothing
-            to keys, values or normalizer, their outputs are zero, and in
-            causal mode they leave the state unchanged. If not given, the
-            mask attached to `inputs` (e.g. by
-            `Embedding(mask_zero=True)`) is used; that mask is propagated to
-            the output.
-        initial_state: Causal layers only. Optional state to start from, as
-            returned by `get_initial_state()` or by a previous call with
-            `return_state=True`. Defaults to zeros. It is used in the
-            accumulator dtype, never rounded to a mixed-precision compute
-            dtype first. (A subclassed layer or model that passes it on
-            casts its own floating call arguments to its compute dtype,
-            as every Keras layer does: create it with `autocast=False` to
-            keep the state in float32.)
-        return_state: Causal layers only. Boolean, whether to return the
-            state after the last time step along with the outputs.
-            Defaults to `False`.
+        inputs: Tensor of shape `(batch_size, sequence_length, input_dim)`.
+            Queries, keys and values all come from it.
+        mask: Optional boolean tensor of shape
+            `(batch_size, sequence_length)`, `True` for valid steps. Masked
+            steps are not attended to and their outputs are zero. Defaults
+            to the mask of `inputs`, if any.
+        initial_state: Causal layers only. Optional state from
+            `get_initial_state()` or from a call with `return_state=True`.
+        return_state: Causal layers only. Whether to also return the state
+            after the last step. Defaults to `False`.
         training: Python boolean indicating whether the layer should behave
             in training mode (applying dropout) or in inference mode.
 
     Returns:
-        outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`
-            in the layer's compute dtype.
-        state: Only if `return_state=True`. A tuple
-            `(key_value_state, key_state)` of shapes
-            `(batch_size, num_key_value_heads, features, value_dim)` and
-            `(batch_size, num_key_value_heads, features)`, where `features`
-            is `num_features` for `"favor_plus"` and `"hedgehog"` and
-            `key_dim` otherwise, or `(key_value_state,)` if
-            `use_normalizer=False`, in the accumulator dtype (float32, or
-            float64 for a float64 layer). The state is runtime data: it is
-            not a weight and is never saved with the model.
+        outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`.
+        state: Only if `return_state=True`: a tuple `(key_value_state,
+            key_state)` of shapes `(batch_size, num_key_value_heads,
+            features, value_dim)` and `(batch_size, num_key_value_heads,
+            features)`, or `(key_value_state,)` without the normalizer;
+            `features` is `num_features` or `key_dim`.
 
     Examples:
-
-    Non-causal self-attention over 8 time steps:
 
     >>> layer = keras.layers.LinearAttention(num_heads=2, key_dim=4)
     >>> x = keras.random.normal((3, 8, 16))
     >>> tuple(layer(x).shape)
     (3, 8, 16)
 
-    Causal streaming: two chunks carrying the state give the same outputs
-    as one call over the whole sequence.
+    Causal streaming: two chunks carrying the state give the outputs of
+    one call over the whole sequence.
 
     >>> layer = keras.layers.LinearAttention(
     ...     num_heads=2, key_dim=4, causal=True
     ... )
-    >>> x = keras.random.normal((3, 8, 16))
     >>> full = layer(x)
     >>> state = layer.get_initial_state(batch_size=3)
     >>> y1, state = layer(x[:, :5], initial_state=state, return_state=True)
     >>> y2, state = layer(x[:, 5:], initial_state=state, return_state=True)
-    >>> [tuple(s.shape) for s in state]
-    [(3, 2, 4, 4), (3, 2, 4)]
     >>> streamed = keras.ops.concatenate([y1, y2], axis=1)
     >>> bool(keras.ops.all(keras.ops.abs(streamed - full) < 1e-4))
     True
 
-    Performer-style attention with 64 random features, and grouped heads:
-    4 query heads share 2 key/value heads, which halves the state.
+    Performer features, with 4 query heads sharing 2 key/value heads:
 
     >>> layer = keras.layers.LinearAttention(
     ...     num_heads=4,
@@ -298,23 +148,9 @@ class LinearAttention(Layer):
     ... )
     >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
     [(3, 2, 64, 4), (3, 2, 64)]
-    >>> tuple(layer(keras.random.normal((3, 8, 16))).shape)
-    (3, 8, 16)
-
-    Masking: the last two steps of the second sequence are padding, and
-    their outputs are zero.
-
-    >>> layer = keras.layers.LinearAttention(num_heads=2, key_dim=4)
-    >>> x = keras.random.normal((2, 6, 16))
-    >>> mask = keras.ops.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
-    >>> y = layer(x, mask=keras.ops.cast(mask, "bool"))
-    >>> float(keras.ops.max(keras.ops.abs(y[1, 4:])))
-    0.0
     """
 
-    # Chunk length of the causal "parallel" algorithm. Each chunk costs a
-    # (chunk, chunk) product per head, and the sequence costs one
-    # (features, value_dim) summary per chunk.
+    # Chunk length of the causal "parallel" algorithm.
     _chunk_size = 64
 
     def __init__(
@@ -460,8 +296,8 @@ class LinearAttention(Layer):
                 f"Received: execution_mode={execution_mode!r}"
             )
         self.execution_mode = execution_mode
-        # `None` is the default (upstream's `initializers.get` returns
-        # `None`, which the projections could not be given).
+        # `initializers.get(None)` returns `None`, which `EinsumDense` cannot
+        # take.
         self.kernel_initializer = initializers.get(
             "glorot_uniform"
             if kernel_initializer is None
@@ -471,8 +307,8 @@ class LinearAttention(Layer):
             "zeros" if bias_initializer is None else bias_initializer
         )
         self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        # Given to the projections (`Layer.__call__` would also regularize
-        # the returned state).
+        # Given to the projections, so that the returned state is not
+        # regularized.
         self._activity_regularizer = regularizers.get(activity_regularizer)
         self.bias_regularizer = regularizers.get(bias_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
@@ -494,8 +330,7 @@ class LinearAttention(Layer):
             name: dtype_policies.get(policy)
             for name, policy in projection_dtypes.items()
         }
-        # The policy each projection was built with, but for
-        # `projection_dtypes`: what `get_config` compares against.
+        # Each projection's policy before quantization, for `get_config`.
         self._projection_base_dtypes = {}
 
     @property
@@ -549,14 +384,9 @@ class LinearAttention(Layer):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
         if isinstance(self.feature_map, Layer) and not self.feature_map.built:
-            # Built here, on symbolic queries (the first input it receives),
-            # so that its weights exist when the layer is built
-            # symbolically, as in a Functional model, and load with it.
-            # Called, so that a map without `build()` builds its own
-            # sublayers by running, as Keras does; a map with one is built
-            # first, with unknown batch and length (on PyTorch, the call on
-            # symbolic queries gives it placeholder sizes, which it would
-            # keep in its build configuration).
+            # Built with the layer so that its weights exist and load with
+            # it; with unknown batch and length, which a symbolic call on
+            # PyTorch would replace by placeholder sizes.
             shape = (None, None, heads, self.key_dim)
             if not utils.is_default(self.feature_map.build):
                 self.feature_map.build(shape)
@@ -565,15 +395,14 @@ class LinearAttention(Layer):
                 backend.KerasTensor(shape, self.accumulator_dtype),
             )
         if self.feature_map == "favor_plus":
-            # Drawn with NumPy from `seed`: the same seed gives the same
-            # features on every backend, and the weight saves them.
+            # Drawn with NumPy, so that a seed gives the same features on
+            # every backend.
             self.random_features = self.add_weight(
                 name="random_features",
                 shape=(self.key_dim, self.num_features),
                 initializer=self._draw_random_features,
                 trainable=False,
-                # Read in float32 under mixed precision too (features are
-                # computed in the accumulator dtype).
+                # The features are computed in the accumulator dtype.
                 autocast=False,
             )
         elif self.feature_map == "hedgehog":
@@ -631,11 +460,8 @@ class LinearAttention(Layer):
         kwargs = self._get_common_kwargs_for_sublayer()
         policy = kwargs["dtype"]
         if isinstance(policy, dtype_policies.DTypePolicyMap):
-            # The projection's entry (or the map's default) as a policy of
-            # its own: upstream's `EinsumDense` (Keras 3.15) holding the map
-            # fails to quantize ("Cannot convert 'map_float32'") and,
-            # quantized by the map, saves no kernel scale; and the map's
-            # `get_config` renames the entries it holds.
+            # Workaround: an `EinsumDense` holding a `DTypePolicyMap` cannot
+            # be quantized or saved quantized, so it gets its own entry.
             policy = dtype_policies.deserialize(
                 dtype_policies.serialize(policy[f"{self.path}/{name}"])
             )
@@ -740,13 +566,8 @@ class LinearAttention(Layer):
     def _feature(self, x, is_query):
         """`phi` of `(batch, time, heads, key_dim)` queries or keys."""
         if self.feature_map == "favor_plus":
-            # exp(w . x - |x|^2 / 2) / sqrt(m) with x scaled by
-            # key_dim^(-1/4), so that phi(q) . phi(k) estimates
-            # exp(q . k / sqrt(key_dim)). Whatever x, the exponent is at
-            # most max |w|^2 / 2 (about key_dim / 2, more for the longest of
-            # the m columns), which overflows float32 from key_dim ~ 128:
-            # exponents are capped per element (never by a statistic over
-            # the sequence, which would break chunked runs).
+            # exp(w . x - |x|^2 / 2) / sqrt(m) of x / key_dim**0.25, so that
+            # phi(q) . phi(k) estimates exp(q . k / sqrt(key_dim)).
             x = x * self.key_dim**-0.25
             features = ops.cast(self.random_features, x.dtype)
             exponent = ops.einsum("bthd,dm->bthm", x, features)
@@ -754,15 +575,12 @@ class LinearAttention(Layer):
                 ops.square(x), axis=-1, keepdims=True
             )
             if is_query and self.use_normalizer and 0 not in x.shape:
-                # A factor per query token, which cancels between numerator
-                # and denominator (up to `normalization_epsilon`): its
-                # largest feature becomes 1 / sqrt(m). Taken per token,
-                # never over the sequence, so that full, chunked and
-                # token-by-token runs agree. (Skipped for an empty batch or
-                # sequence: upstream's TensorFlow and PyTorch `max` refuse
-                # a tensor with a zero-sized axis.)
+                # A factor per query token cancels in the normalized ratio
+                # and keeps exp() finite; per token, so that chunked runs
+                # agree. `max` of an empty tensor fails on some backends.
                 exponent = exponent - ops.max(exponent, axis=-1, keepdims=True)
-            # min(exponent, cap); `ops.minimum` would demote float64 on torch.
+            # min(exponent, cap) per element, never by a statistic over the
+            # sequence, which would break chunked runs.
             exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
             return ops.exp(exponent) * self.num_features**-0.5
         if self.feature_map == "hedgehog":
@@ -772,19 +590,15 @@ class LinearAttention(Layer):
             x = ops.einsum("bthd,hdf->bthf", x, kernel)
             return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
         if self.feature_map == "elu_plus_one":
-            # elu(x) + 1 = exp(min(x, 0)) + max(x, 0): exp(x) at and below
-            # zero, more accurate there than `expm1(x) + 1`, and no `where`
-            # (four element-wise passes instead of six in eager PyTorch).
-            # `x - relu(x)` is min(x, 0) (`ops.minimum` would demote float64
-            # on PyTorch, where upstream promotes 64-bit types to 32-bit).
+            # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
+            # far below zero, where `expm1(x) + 1` rounds to 0.
             positive = ops.relu(x)
             return ops.exp(x - positive) + positive
         if self.feature_map == "relu":
             return ops.relu(x) + self.normalization_epsilon
         features = self.feature_map(x)
         self._check_features(features, x)
-        # A `Layer` computes in its own dtype policy (a mixed one returns
-        # float16 or bfloat16 features): the layer goes on in `x.dtype`.
+        # A `Layer` map computes in its own dtype policy.
         return ops.cast(features, x.dtype)
 
     def _check_features(self, features, x):
@@ -799,7 +613,7 @@ class LinearAttention(Layer):
         try:
             rank = None if shape is None else len(shape)
         except ValueError:
-            return  # TensorFlow, a shape of unknown rank while tracing.
+            return  # A TensorFlow shape of unknown rank.
         compared = x.shape if self.causal else x.shape[:-1]
         if rank == len(x.shape) and not any(
             isinstance(a, int) and isinstance(b, int) and a != b
@@ -827,31 +641,19 @@ class LinearAttention(Layer):
         if 1 < len(args) <= len(names) and not set(names[1 : len(args)]) & set(
             kwargs
         ):
-            # Everything after `inputs` by keyword: for a call with one
-            # tensor argument, `Layer.__call__` (Keras 3.15) passes the
-            # inputs' mask as `mask=` even when `mask` was given by
-            # position, so that `layer(x, None)` or `layer(x, numpy_mask)`
-            # (or, under mixed precision, where the state is wrapped, any
-            # call with a positional mask) failed with "got multiple values
-            # for argument 'mask'".
+            # Workaround: `Layer.__call__` also passes the inputs' mask as
+            # `mask=` when `mask` is given by position ("multiple values").
             kwargs = {**dict(zip(names[1:], args[1:])), **kwargs}
             args = args[:1]
-        # `Layer.__call__` casts every floating argument to the compute
-        # dtype: under mixed precision, a float32 state carried from the
-        # last call would reach `call` rounded to float16 or bfloat16 (and a
-        # float16 key sum, which grows with every token, would overflow on
-        # long streams). For such calls on tensors, the state is passed on
-        # wrapped, a leaf that the conversion leaves alone (variables read
-        # here, outside any autocast scope); everything else goes through
-        # upstream's conversion. Symbolic calls are unchanged: their graph
-        # node records the arguments as given.
+        # `Layer.__call__` casts floating arguments to the compute dtype; a
+        # carried float32 state is wrapped so that mixed precision does not
+        # round it (symbolic calls record their arguments as given).
         if not self._convert_input_args or (
             backend.standardize_dtype(self.input_dtype)
             == self.accumulator_dtype
         ):
             return super().__call__(*args, **kwargs)
-        # Context arguments (`training`) that `call` does not take are
-        # dropped by `Layer.__call__`; left out of the binding here too.
+        # Context arguments that `call` does not take, as `Layer.__call__`.
         bound_kwargs = {
             key: value
             for key, value in kwargs.items()
@@ -870,8 +672,6 @@ class LinearAttention(Layer):
             for x in (arguments[names[0]], *initial_state)
         ):
             return super().__call__(*args, **kwargs)
-        # Bound, so `initial_state` is a keyword argument here (arguments
-        # after `inputs` were made keywords above).
         with backend.AutocastScope(None):
             kwargs["initial_state"] = _UncastState(
                 tuple(
@@ -892,24 +692,19 @@ class LinearAttention(Layer):
         if isinstance(initial_state, _UncastState):
             initial_state = initial_state.state
         self._check_call_arguments(inputs, initial_state, return_state)
-        # The mask attached to `inputs` (e.g. by `Embedding(mask_zero=True)`)
-        # is handled here, not by the projections. `Layer.__call__` passes
-        # it as `mask` only for calls with a single tensor argument, so read
-        # it here too (calls with `initial_state`).
+        # `Layer.__call__` passes the inputs' mask only to calls with one
+        # tensor argument, not to calls with `initial_state`.
         input_mask = backend.get_keras_mask(inputs)
         if mask is None:
             mask = input_mask
         mask = _standardize_mask(mask, inputs)
         if mask is not None:
-            # Padding may hold anything (inf, nan): zeroed before the
-            # projections, whose backward pass would otherwise carry it
-            # into the weight gradients (0 * nan is nan). The new tensor
-            # has no mask attached: the projections neither see nor warn
-            # about it.
+            # Padding may hold inf or nan, which the projections' gradients
+            # would carry into the weights.
             inputs = ops.where(mask[:, :, None], inputs, ops.zeros_like(inputs))
         dtype = self.accumulator_dtype
-        # (batch, time, heads, features or value_dim), accumulator dtype;
-        # keys and values have `num_key_value_heads` heads.
+        # (batch, time, heads, features or value_dim) in the accumulator
+        # dtype; keys and values have `num_key_value_heads` heads.
         query = self._feature(
             ops.cast(self._query_dense(inputs), dtype), is_query=True
         )
@@ -918,11 +713,8 @@ class LinearAttention(Layer):
         )
         value = ops.cast(self._value_dense(inputs), dtype)
         if mask is not None:
-            # Masked after the feature map (elu(0) + 1 is not 0, and the
-            # projections add their biases). Zero keys alone remove masked
-            # steps from the state and the normaliser; zeroing the values
-            # too is defensive (not needed by the products as they are), so
-            # that a later change to them cannot bring masked steps back.
+            # After the feature map, which is not zero at zero; the values
+            # too, so that no product can bring masked steps back.
             step_mask = mask[:, :, None, None]
             key = ops.where(step_mask, key, ops.zeros_like(key))
             value = ops.where(step_mask, value, ops.zeros_like(value))
@@ -936,10 +728,8 @@ class LinearAttention(Layer):
             else:
                 initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
             if 0 in inputs.shape[:2]:
-                # An empty sequence (such as an empty piece of a stream):
-                # nothing to attend to, and the state passes through. Or an
-                # empty batch, whose chunks the reshapes below could not
-                # count.
+                # An empty piece of a stream passes the state through; an
+                # empty batch has no chunks to count.
                 outputs = ops.zeros(
                     tuple(ops.shape(inputs)[:2])
                     + (self.num_heads, self.value_dim),
@@ -955,11 +745,8 @@ class LinearAttention(Layer):
                     query, key, value, initial_state
                 )
         if mask is not None:
-            # Masked query positions: zero attention output, so that nothing
-            # computed from padding reaches the projection or its gradients.
-            # (The zeroed layer output below already stops their gradients;
-            # this keeps the projection's inputs clean, e.g. for the input
-            # statistics that GPTQ or AWQ quantization collects.)
+            # Nothing computed at padding reaches the output projection,
+            # e.g. the input statistics that GPTQ quantization collects.
             outputs = ops.where(
                 mask[:, :, None, None], outputs, ops.zeros_like(outputs)
             )
@@ -968,13 +755,12 @@ class LinearAttention(Layer):
             outputs = self._dropout_layer(outputs, training=training)
         outputs = self._output_dense(outputs)
         if mask is not None:
-            # ... and a zero layer output, the projection's bias included.
+            # Its bias too.
             outputs = ops.where(
                 mask[:, :, None], outputs, ops.zeros_like(outputs)
             )
         if backend.standardize_dtype(outputs.dtype) != self.compute_dtype:
-            # The output projection's own policy may differ (a
-            # `DTypePolicyMap` entry): the layer returns its compute dtype.
+            # The output projection may have a policy of its own.
             outputs = ops.cast(outputs, self.compute_dtype)
         if return_state:
             return outputs, state
@@ -1038,10 +824,8 @@ class LinearAttention(Layer):
             return (key_value, key_sum), self._merge_heads(outputs)
 
         if query.shape[1] == 1:
-            # One step (a decoding step: what "auto" runs for one token)
-            # needs no loop. Eager calls on JAX would otherwise trace and
-            # compile the scan again on every call, its step function being
-            # a new closure each time.
+            # A decoding step needs no loop, which eager JAX would compile
+            # again on every call.
             state, outputs = step(
                 initial_state, (query[:, 0], key[:, 0], value[:, 0])
             )
@@ -1054,21 +838,19 @@ class LinearAttention(Layer):
         return ops.transpose(outputs, (1, 0, 2, 3)), state
 
     def _parallel(self, query, key, value, initial_state):
-        """The chunkwise form: see the class docstring and `_recurrent`."""
+        """The chunkwise form of `_recurrent`."""
         chunk, group = self._chunk_size, self._group_size
         batch, length = ops.shape(query)[:2]
-        # Pad to a whole number of chunks. Padded keys and values are zero,
-        # so they change neither outputs nor state; their outputs are cut.
+        # Zero keys and values pad to whole chunks without changing the
+        # state; their outputs are cut.
         padding = _padding(length, chunk)
 
         def to_chunks(x, group):
             """`(b, t, heads, f)` -> `(b * kv heads * chunks, g * c, f)`.
 
-            Each row block of the result is one chunk of one key/value head,
-            with the `group` query heads that share it stacked along the
-            rows, so that a group shares each product. One transposition;
-            every product below is then a batched matrix product over this
-            leading axis.
+            Each row block is one chunk of one key/value head, with the
+            query heads that share it stacked along the rows, so that every
+            product below is one batched matrix product.
             """
             x = _append_zeros(x, padding)
             features = ops.shape(x)[-1]
@@ -1090,8 +872,7 @@ class LinearAttention(Layer):
         numerator = ops.einsum("xcs,xse->xce", scores, value)
 
         # Across chunks: the state entering each chunk is the initial state
-        # plus the summaries (`key^T value`, and the key sums) of all earlier
-        # chunks, an exclusive prefix sum over chunks (never over steps).
+        # plus the summaries of all earlier chunks.
         def per_chunk(x):
             return ops.reshape(
                 x, (batch, self.num_key_value_heads, -1) + tuple(x.shape[1:])
@@ -1102,9 +883,8 @@ class LinearAttention(Layer):
 
         summaries = (ops.einsum("xcd,xce->xde", key, value),)
         if self.use_normalizer:
-            # Kept apart from the values (not as a column of ones appended to
-            # them): a 65-column product is much slower than a 64-column one
-            # on XLA:CPU (JAX's layer 15% slower at 4096 steps).
+            # Apart from the values: a column of ones appended to them makes
+            # the products' sizes odd, which XLA runs slower.
             summaries += (ops.sum(key, axis=1),)
         state, entering = zip(
             *(
@@ -1199,11 +979,8 @@ class LinearAttention(Layer):
                 )
 
     def compute_mask(self, inputs, previous_mask):
-        # The mask the layer applied, as a `(batch_size, sequence_length)`
-        # boolean tensor: a broadcastable or 0/1 mask passed on as given
-        # would reach the next layer in a form it may misread (e.g. a
-        # `(batch_size, 1)` mask makes `GlobalAveragePooling1D` divide by 1
-        # instead of the number of steps).
+        # The applied mask in full: a broadcastable one, passed on as given,
+        # would be misread by layers such as `GlobalAveragePooling1D`.
         if previous_mask is None or inputs is None:
             return previous_mask
         return _standardize_mask(previous_mask, inputs)
@@ -1476,9 +1253,8 @@ def _standardize_mask(mask, inputs):
         try:
             mask = ops.convert_to_tensor(mask)
         except Exception:
-            # Such as a state passed by position, `layer(x, state)` (the
-            # second positional argument is `mask`); the error's type
-            # depends on the backend (TensorFlow's is no `ValueError`).
+            # Such as a state passed by position; the error's type depends
+            # on the backend.
             mask = None
     try:
         dtype = backend.standardize_dtype(mask.dtype)
@@ -1510,9 +1286,8 @@ def _standardize_mask(mask, inputs):
         )
     if dtype != "bool":
         mask = ops.not_equal(mask, 0)
-    # Broadcast by a `logical_and`, which allows the unknown dimensions of
-    # symbolic tensors (a Functional model records this mask for the next
-    # layers), unlike `broadcast_to`.
+    # `logical_and`, unlike `broadcast_to`, allows the unknown dimensions of
+    # symbolic tensors.
     return ops.logical_and(mask, ops.ones_like(inputs[:, :, 0], dtype="bool"))
 
 
@@ -1561,42 +1336,26 @@ def _exclusive_prefix_sum(initial, summaries):
     Returns the state after the last chunk and the states entering each
     chunk (`initial` plus the summaries of the chunks before it).
 
-    Two levels and no loop: inside blocks of `_PREFIX_BLOCK` chunks, a
-    product with a strictly lower-triangular matrix of ones; across blocks,
-    a cumulative sum of the block totals, along a 16 times shorter axis.
-    The alternatives were slower somewhere: a scan over chunks (upstream's
-    PyTorch `scan` is a Python loop, and TensorFlow's differentiated
-    `while_loop` made forward+backward at 16k steps 1.9x slower than this),
-    and `cumsum` over all chunks (on PyTorch 10x slower than this for the
-    prefix alone at 16k steps, slower than the scan on TensorFlow).
-
-    Like the masked products inside a chunk, the product with zeros and
-    ones is not causal for non-finite values: an inf or nan summary (from
-    inf or nan inputs at unmasked steps) also makes the outputs of earlier
-    chunks of its block non-finite, where the recurrent form keeps them
-    finite. Masked steps never reach it: their keys and values are zeroed
-    with `where` before.
+    Two levels and no loop over chunks: inside blocks of `_PREFIX_BLOCK`
+    chunks, a product with a strictly lower-triangular matrix of ones;
+    across blocks, a cumulative sum of the block totals. A product with
+    zeros is not causal for inf or nan summaries, which only unmasked
+    non-finite inputs give.
     """
     shape = ops.shape(summaries)
     rows = shape[0] * shape[1]
     chunks = shape[2]
     summaries = ops.reshape(summaries, (rows, chunks, -1))
     features = ops.shape(summaries)[-1]
-    # A whole number of blocks (zero summaries change no state); the number
-    # of chunks is a tensor when the length is unknown while tracing.
+    # Whole blocks; the number of chunks is a tensor for unknown lengths.
     block = _PREFIX_BLOCK
     if isinstance(chunks, int):
         block = min(block, chunks)
     padding = _padding(chunks, block)
     summaries = _append_zeros(summaries, padding)
     summaries = ops.reshape(summaries, (rows, -1, block, features))
-    # The blocks as one batch axis, with the matrix of ones broadcast along
-    # it: PyTorch's `einsum` then runs one batched product, where
-    # "ij,rbjf->rbif" copied the summaries to and from a block-major layout
-    # (in paired runs the layer 4-6% faster on PyTorch and TensorFlow at
-    # 4096 steps, 2-3% at 16384; on JAX 3-4% slower at 16384).
-    # `einsum`, not `matmul`: upstream's PyTorch `matmul` (Keras 3.15)
-    # returns float32 for float64 inputs.
+    # The blocks as one batch axis: PyTorch's `einsum` runs one batched
+    # product (`ops.matmul` demotes float64 to float32 on PyTorch).
     blocks = ops.reshape(summaries, (-1, block, features))
     strictly_lower = ops.broadcast_to(
         ops.tril(ops.ones((block, block), summaries.dtype), -1),
@@ -1610,8 +1369,8 @@ def _exclusive_prefix_sum(initial, summaries):
         axis=1,
     )
     if backend.backend() == "torch":
-        # Upstream's PyTorch `cumsum` (Keras 3.15) returns float32 for
-        # float64 inputs.
+        # Workaround: `ops.cumsum` demotes float64 to float32 on PyTorch.
+        # TODO: use `ops.cumsum` once upstream keeps float64 there.
         import torch
 
         totals = torch.cumsum(totals, dim=1)
@@ -1630,20 +1389,14 @@ def _exclusive_prefix_sum(initial, summaries):
 def _padding(size, multiple):
     """How many entries make `size` a multiple of `multiple`.
 
-    `multiple * ceil(size / multiple) - size` rather than `-size %
-    multiple`: with a symbolic size (`jax.export`, and so `model.export()`
-    on JAX, with an unknown sequence length) the padded size is then
-    visibly a multiple, which the reshapes into chunks and blocks need.
-    A symbolic size on PyTorch gets one more whole multiple (see below).
+    Written as `multiple * ceil(size / multiple) - size` so that a padded
+    symbolic size (`jax.export` with an unknown length) is visibly a
+    multiple, which the reshapes into chunks need.
     """
     padding = multiple * (-(-size // multiple)) - size
     if backend.backend() == "torch" and not isinstance(size, int):
-        # A `torch.SymInt` (`torch.export` or `torch.compile` with a
-        # dynamic length): PyTorch specializes every size that is 0 or 1
-        # while tracing, so that a padding (or a number of chunks or blocks)
-        # of 0 or 1 would hold only for lengths that give the same. One
-        # more whole multiple, zeros that change nothing, keeps all of them
-        # above 1 for every length.
+        # PyTorch specializes symbolic sizes of 0 or 1 while tracing; one
+        # more whole multiple keeps every derived size above 1.
         padding = padding + multiple
     return padding
 
@@ -1651,9 +1404,8 @@ def _padding(size, multiple):
 def _append_zeros(x, count):
     """`x` with `count` zero entries appended along axis 1.
 
-    `count` is a tensor when the length is unknown while tracing. Not
-    `ops.pad`: it names a new `Operation` on every call, a global counter
-    that `torch.compile` guards on, so that each call compiles again.
+    Not `ops.pad`, which names a new `Operation` on every call: a global
+    counter on which `torch.compile` guards, compiling again each call.
     """
     if isinstance(count, int) and not count:
         return x
@@ -1665,19 +1417,12 @@ def _append_zeros(x, count):
 def _scan(step, initial_state, sequences):
     """`ops.scan` over tuples, with per-step outputs unlike the carry.
 
-    Works around two limits of upstream's TensorFlow `scan` (Keras 3.15): it
-    allocates its per-step outputs with the carry's structure, shapes and
-    dtypes, so that an output of another shape fails; and its `while_loop`
-    has no `maximum_iterations`, which XLA (`jit_compile=True`) needs to
-    differentiate it. On TensorFlow this runs the same loop with
-    `tf.while_loop` and a `TensorArray` for the outputs. Other backends use
-    `ops.scan` (on PyTorch that is a Python loop over steps in upstream's
-    implementation: correct, but slow for many steps).
+    Workaround: TensorFlow's `ops.scan` shapes its per-step outputs like
+    the carry and sets no `maximum_iterations`, which XLA needs to
+    differentiate the loop; TensorFlow runs its own `while_loop` here.
 
-    On TensorFlow, a length unknown while tracing runs one more step, on
-    zero inputs, whose output is dropped: `step` must leave the state
-    unchanged for zero inputs (the layer's step, for zero keys and values,
-    does).
+    There, an unknown length runs one more step on zero inputs, whose
+    output is dropped: `step` must keep the state for zero inputs.
     """
     if backend.backend() != "tensorflow":
         return ops.scan(step, initial_state, sequences)
@@ -1689,10 +1434,7 @@ def _scan(step, initial_state, sequences):
     steps = length
     extra_step = sequences[0].shape[0] is None
     if extra_step:
-        # A length unknown while tracing may be 0: a `TensorArray` without
-        # elements stacks only with a fully known element shape (a dynamic
-        # batch is not), and XLA refuses to compile reads from one. Hence
-        # the extra step on zero inputs (see above).
+        # An empty `TensorArray` cannot stack without a known element shape.
         sequences = [
             tf.concat(
                 [x, tf.zeros(tf.concat([[1], tf.shape(x)[1:]], 0), x.dtype)],
@@ -1708,8 +1450,6 @@ def _scan(step, initial_state, sequences):
         state, output = step(state, tuple(x.read(t) for x in inputs))
         return t + 1, tuple(state), outputs.write(t, output)
 
-    # `maximum_iterations` lets XLA (`jit_compile=True`) differentiate the
-    # loop.
     _, state, outputs = tf.while_loop(
         lambda t, *_: t < steps,
         body,
