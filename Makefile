@@ -9,7 +9,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
-BACKENDS ?= tensorflow jax torch
+BACKENDS ?= tensorflow jax torch numpy openvino
+# The benchmark compares the training backends.
+BENCH_BACKENDS ?= tensorflow jax torch
 # The test runs of the backends go at the same time; SERIAL=1 runs them one
 # after the other (see tools/run_tests.sh).
 SERIAL ?= 0
@@ -18,7 +20,7 @@ TOOL_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 .DEFAULT_GOAL := test
 .PHONY: setup lint format test test-tools demo bench wheel clean distclean \
-	restore-upstream
+	restore-upstream pr-check
 
 # The venv is rebuilt only when requirements.txt changes; the upstream tree
 # and the API exports are checked on every run (about a second).
@@ -57,11 +59,18 @@ demo: setup
 # under two minutes per backend (one run of the script; PyTorch, the
 # slowest, took 66 s on a quiet machine).
 bench: setup
-	@for backend in $(BACKENDS); do \
+	@for backend in $(BENCH_BACKENDS); do \
 	  KERAS_BACKEND=$$backend $(PY) benchmarks/linear_attention_benchmark.py \
 	    $(BENCH_ARGS) || exit 1; \
 	done
 	$(PY) benchmarks/linear_attention_benchmark.py --summary
+
+# The contribution as a pull request: copied into a scratch copy of a
+# keras-team/keras checkout (or `git archive` tarball), checked with its
+# api_gen.py, ruff settings and pytest on all five backends.
+KERAS_REPO ?= ../shared/upstream/keras-master.tar
+pr-check: setup
+	$(PY) tools/pr_check.py $(KERAS_REPO)
 
 wheel: setup
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .

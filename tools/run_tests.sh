@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
-BACKENDS=${BACKENDS:-tensorflow jax torch}
+BACKENDS=${BACKENDS:-tensorflow jax torch numpy openvino}
 SERIAL=${SERIAL:-0}
 [ "$SERIAL" = 0 ] || SERIAL=1
 
