@@ -74,6 +74,7 @@ def _shift_answers(*arrays):
     return shifted
 
 
+@pytest.mark.requires_trainable_backend
 def test_lora_on_the_projections(trained_lm, tmp_path):
     """Fine-tune only LoRA adapters of the projections to a new task."""
     model = _copy(trained_lm.model)
@@ -165,6 +166,7 @@ def _only_projections(layer):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_quantize_int8_and_dtype_policy_map(trained_lm, tmp_path):
     float_model = trained_lm.model
     x_eval = trained_lm.x_eval
@@ -256,6 +258,7 @@ def _copy_weights(source, target):
             target.get_layer(layer.name).set_weights(layer.get_weights())
 
 
+@pytest.mark.requires_trainable_backend
 @pytest.mark.parametrize("route", ["quantize", "dtype_policy_map"])
 def test_int8_model_save_and_load(trained_lm, tmp_path, route):
     # Upstream, a quantized MultiHeadAttention (Keras 3.15) saves but does

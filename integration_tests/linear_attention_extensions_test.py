@@ -176,6 +176,7 @@ def _prompts(trained):
     return [trained.x_eval[i, :n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
+@pytest.mark.requires_trainable_backend
 def test_training_reads_the_context(trained):
     initial_loss, initial_accuracy = _answer_loss_and_accuracy(
         trained.initial_predictions, trained.y_eval, trained.w_eval
@@ -196,6 +197,7 @@ def test_training_reads_the_context(trained):
     assert history[-1] < LOSS_DROP_FACTOR * history[0], report
 
 
+@pytest.mark.requires_trainable_backend
 def test_feature_map_weights(trained):
     model = trained.model
     initial = trained.initial_extension_weights
@@ -235,6 +237,7 @@ def test_feature_map_weights(trained):
             assert np.abs(kernel - start).max() > MIN_KERNEL_CHANGE
 
 
+@pytest.mark.requires_trainable_backend
 def test_save_and_load(trained, tmp_path):
     model = trained.model
     path = os.path.join(tmp_path, f"{trained.name}.keras")
@@ -268,6 +271,7 @@ def test_save_and_load(trained, tmp_path):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_greedy_generation_matches_full_sequence_calls(trained):
     """From a left-padded batch, each step's logits are the last logits of
     a full-sequence call on that row's tokens alone (no padding)."""
@@ -301,6 +305,7 @@ def test_greedy_generation_matches_full_sequence_calls(trained):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_left_padded_full_call_matches_each_prompt_alone(trained):
     prompts = _prompts(trained)
     padded = lm_task.left_pad(prompts)
@@ -312,6 +317,7 @@ def test_left_padded_full_call_matches_each_prompt_alone(trained):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_redraw_random_features(favor_plus_lm):
     model = favor_plus_lm.model
     copy = keras.models.clone_model(model)
@@ -356,6 +362,7 @@ def test_redraw_random_features(favor_plus_lm):
     )
 
 
+@pytest.mark.requires_trainable_backend
 @pytest.mark.parametrize("target", BACKENDS)
 def test_models_saved_here_load_on_other_backends(
     favor_plus_lm, hedgehog_lm, tmp_path, target
@@ -437,6 +444,7 @@ class _RedrawRandomFeatures(keras.callbacks.Callback):
                     layer.redraw_random_features(seed=self.seed)
 
 
+@pytest.mark.requires_trainable_backend
 def test_redraw_random_features_from_a_callback_during_fit():
     """The use that `redraw_random_features()` suggests, on every backend."""
     keras.utils.set_random_seed(SEED)

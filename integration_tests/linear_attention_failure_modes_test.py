@@ -196,6 +196,7 @@ def test_safe_mode_does_not_import_a_module_named_in_the_file(
     monkeypatch.delitem(sys.modules, module)
 
 
+@pytest.mark.requires_trainable_backend
 @pytest.mark.parametrize("target", BACKENDS)
 def test_model_saved_here_loads_on_other_backends(trained_lm, tmp_path, target):
     if target == backend():

@@ -11,6 +11,7 @@ import os
 
 import lm_task
 import numpy as np
+import pytest
 
 import keras
 
@@ -54,6 +55,7 @@ def _generate(model, prompts, prefill="token", step_model=None):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_training_reads_the_context(trained_lm):
     initial = trained_lm.initial_eval
     final = trained_lm.final_eval
@@ -67,6 +69,7 @@ def test_training_reads_the_context(trained_lm):
     assert history[-1] < history[0], history
 
 
+@pytest.mark.requires_trainable_backend
 def test_save_and_load(trained_lm, tmp_path):
     model = trained_lm.model
     path = os.path.join(tmp_path, "lm.keras")
@@ -107,6 +110,7 @@ def test_save_and_load(trained_lm, tmp_path):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_clone_model_with_weights(trained_lm):
     model = trained_lm.model
     clone = keras.models.clone_model(model)
@@ -121,6 +125,7 @@ def test_clone_model_with_weights(trained_lm):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_greedy_generation_matches_full_sequence_calls(trained_lm):
     """Each step's logits are the last logits of a full-sequence call."""
     model = trained_lm.model
@@ -147,6 +152,7 @@ def test_greedy_generation_matches_full_sequence_calls(trained_lm):
     )
 
 
+@pytest.mark.requires_trainable_backend
 def test_left_padded_prompts_match_each_prompt_alone(trained_lm):
     model = trained_lm.model
     prompts = _prompts(trained_lm, PROMPT_LENGTHS)
