@@ -1376,7 +1376,9 @@ def _exclusive_prefix_sum(initial, summaries):
         totals = torch.cumsum(totals, dim=1)
     else:
         totals = ops.cumsum(totals, axis=1)
-    entering = within + totals[:, :-1, None]
+    # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
+    # slice in the wrong place.
+    entering = within + ops.expand_dims(totals[:, :-1], 2)
     entering = ops.reshape(entering, (rows, -1, features))
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
@@ -1391,9 +1393,10 @@ def _padding(size, multiple):
 
     Written as `multiple * ceil(size / multiple) - size` so that a padded
     symbolic size (`jax.export` with an unknown length) is visibly a
-    multiple, which the reshapes into chunks need.
+    multiple, which the reshapes into chunks need; the ceiling divides
+    non-negative numbers only, since OpenVINO's integer `//` truncates.
     """
-    padding = multiple * (-(-size // multiple)) - size
+    padding = multiple * ((size + multiple - 1) // multiple) - size
     if backend.backend() == "torch" and not isinstance(size, int):
         # PyTorch specializes symbolic sizes of 0 or 1 while tracing; one
         # more whole multiple keeps every derived size above 1.
