@@ -1,4 +1,4 @@
-"""Smoke test: the benchmark script runs and writes its outputs.
+"""Tests of the benchmark: its outputs, its arithmetic and its KV cache.
 
 Timing is never asserted here; `make bench` reports it.
 """
@@ -9,7 +9,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+from linear_attention import cases
+from linear_attention import decode
+from linear_attention import targets
+
 from keras.src import backend
+from keras.src import layers
 from keras.src import testing
 
 SCRIPT = os.path.join(
@@ -82,38 +88,35 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
         self.assertEqual(
             {row["layer"] for row in results["memory"]}, {"auto", "mha"}
         )
-        decode = {row["layer"]: row for row in results["decode"]}
-        self.assertEqual(
-            set(decode), {"linear", "favor_plus", "grouped", "mha"}
-        )
-        self.assertTrue(all(row["ms"] > 0 for row in decode.values()))
-        self.assertTrue(all(row["repeats"] >= 1 for row in decode.values()))
+        steps = {row["layer"]: row for row in results["decode"]}
+        self.assertEqual(set(steps), {"linear", "favor_plus", "grouped", "mha"})
+        self.assertTrue(all(row["ms"] > 0 for row in steps.values()))
+        self.assertTrue(all(row["repeats"] >= 1 for row in steps.values()))
         # Carried state, batch 1, float32: (features, value_dim) and
         # (features,) per key/value head.
         for layer in ("linear", "favor_plus", "grouped"):
-            self.assertGreater(decode[layer]["state_bytes"], 0)
-        self.assertEqual(
-            decode["linear"]["state_bytes"], 8 * (64 * 64 + 64) * 4
-        )
+            self.assertGreater(steps[layer]["state_bytes"], 0)
+        self.assertEqual(steps["linear"]["state_bytes"], 8 * (64 * 64 + 64) * 4)
         # 2 key/value heads instead of 8: a 4x smaller state.
         self.assertEqual(
-            4 * decode["grouped"]["state_bytes"],
-            decode["linear"]["state_bytes"],
+            4 * steps["grouped"]["state_bytes"],
+            steps["linear"]["state_bytes"],
         )
         # 256 random features instead of key_dim = 64.
         self.assertEqual(
-            decode["favor_plus"]["state_bytes"],
-            4 * decode["linear"]["state_bytes"],
+            steps["favor_plus"]["state_bytes"],
+            4 * steps["linear"]["state_bytes"],
         )
-        position = decode["mha"]["position"]
+        # Keys and values of the prefix and the new token, float32.
+        position = steps["mha"]["position"]
         self.assertEqual(
-            decode["mha"]["kv_cache_bytes"], 2 * position * 8 * 64 * 4
+            steps["mha"]["kv_cache_bytes"], 2 * (position + 1) * 8 * 64 * 4
         )
         with open(os.path.join(out, name + ".md")) as file:
             table = file.read()
         for column in ("| favor_plus |", "| grouped |", "grouped state"):
             self.assertIn(column, table)
-        self.assertIn("KV cache (not used by the no-cache MHA step)", table)
+        self.assertIn("| MHA, KV cache (ms) |", table)
         with open(os.path.join(out, name + ".csv")) as file:
             rows = list(csv.DictReader(file))
         self.assertEqual(
@@ -123,9 +126,13 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                 if row["mode"] == "decode" and row["state_bytes"]
             },
             {
-                layer: decode[layer]["state_bytes"]
+                layer: steps[layer]["state_bytes"]
                 for layer in ("linear", "favor_plus", "grouped")
             },
+        )
+        (cache,) = [row for row in rows if row["kv_cache_bytes"]]
+        self.assertEqual(
+            int(cache["kv_cache_bytes"]), steps["mha"]["kv_cache_bytes"]
         )
         # Every CSV row says how it was measured, the allocator included.
         self.assertTrue(all(row["malloc"] == results["malloc"] for row in rows))
@@ -141,16 +148,15 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
         )
         self.assertEqual(replot.returncode, 0, replot.stderr[-3000:])
         self.assertTrue(os.path.exists(os.path.join(out, name + ".png")))
-
-
-def _load_script():
-    """The benchmark script as a module (it imports no backend at load)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+        # The summary: the targets table of the saved results.
+        summary = subprocess.run(
+            [sys.executable, SCRIPT, "--summary", "--out", out],
+            capture_output=True,
+            text=True,
+        )
+        self.assertEqual(summary.returncode, 0, summary.stderr[-3000:])
+        self.assertIn("| target |", summary.stdout)
+        self.assertTrue(os.path.exists(os.path.join(out, "targets.md")))
 
 
 def _rows(times):
@@ -174,7 +180,6 @@ class BenchmarkLogicTest(testing.TestCase):
     """The targets' arithmetic, on made-up rows (no timing)."""
 
     def test_crossover_is_the_last_upward_crossing(self):
-        script = _load_script()
         # MHA / linear: 1.05, 0.9, 0.8, 1.5: faster at 128 by noise, then
         # slower, then faster from between 512 and 1024 on.
         lengths = (128, 256, 512, 1024)
@@ -183,20 +188,19 @@ class BenchmarkLogicTest(testing.TestCase):
         for length, ratio in zip(lengths, ratios):
             times["auto", length] = 10.0
             times["mha", length] = 10.0 * ratio
-        length, text = script.crossover(_rows(times))
+        length, text = targets.crossover(_rows(times))
         self.assertGreater(length, 512)
         self.assertLess(length, 1024)
         self.assertEqual(text, f"{length:.0f}")
         # Never faster at the last length: no crossover.
         times["mha", 1024] = 9.0
-        self.assertEqual(script.crossover(_rows(times)), (None, "> 1024"))
+        self.assertEqual(targets.crossover(_rows(times)), (None, "> 1024"))
         # Faster everywhere.
         for length in lengths:
             times["mha", length] = 20.0
-        self.assertEqual(script.crossover(_rows(times)), (128, "<= 128"))
+        self.assertEqual(targets.crossover(_rows(times)), (128, "<= 128"))
 
     def _targets(self, mha_16k, memory_note):
-        script = _load_script()
         times = {("auto", 4096): 10.0, ("mha", 4096): 30.0}
         times["auto", 16384] = 40.0
         times["mha", 16384] = mha_16k
@@ -210,7 +214,7 @@ class BenchmarkLogicTest(testing.TestCase):
             "memory": memory,
             "decode": [],
         }
-        return script.targets_table({"jax": results}).splitlines()
+        return targets.targets_table({"jax": results}).splitlines()
 
     def test_out_of_memory_meets_the_16k_targets(self):
         lines = self._targets(
@@ -237,3 +241,35 @@ class BenchmarkLogicTest(testing.TestCase):
         (memory,) = [line for line in lines if "peak memory" in line]
         self.assertIn("not measured: MHA failed: ImportError", memory)
         self.assertIn("(>= 8: ?)", memory)
+
+
+class CachedSelfAttentionTest(testing.TestCase):
+    """The KV-cache decode step against MultiHeadAttention on the prefix."""
+
+    def test_steps_match_causal_attention_over_the_prefix(self):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2, 7, 16), dtype=np.float32)
+        attention = layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        expected = attention(x, x, use_causal_mask=True)
+        # Slots not yet written hold garbage, which the mask must hide.
+        key_cache, value_cache = (
+            rng.standard_normal((2, 10, 2, 4), dtype=np.float32)
+            for _ in range(2)
+        )
+        step = cases.compile_call(
+            decode.CachedSelfAttention(attention), donate=(1, 2)
+        )
+        caches = [cases.on_backend(c) for c in (key_cache, value_cache)]
+        # Steps of one token, then one of three at once.
+        outputs = []
+        for start, stop in ((0, 1), (1, 2), (2, 3), (3, 4), (4, 7)):
+            output, *caches = step(
+                cases.on_backend(x[:, start:stop]), *caches, index=start
+            )
+            outputs.append(output)
+        self.assertAllClose(
+            np.concatenate(outputs, axis=1), expected, atol=1e-5, rtol=1e-5
+        )
+        # The caches hold every token's keys and values, then the garbage.
+        self.assertAllClose(caches[0][:, :7], attention._key_dense(x))
+        self.assertAllClose(caches[1][:, 7:], value_cache[:, 7:])

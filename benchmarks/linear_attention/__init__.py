@@ -1,0 +1,1 @@
+"""Benchmark of `keras.layers.LinearAttention`: see `benchmarks/README.md`."""
