@@ -1,0 +1,1671 @@
+"""Robustness checks of `keras.layers.LinearAttention`, beyond its unit test.
+
+`keras/src/layers/attention/linear_attention_test.py` covers the layer's
+contract with small shapes on every backend. The checks here go further,
+and `make test` runs them on every backend too:
+
+- long sequences (more than one block of the chunked prefix) and every way
+  of splitting a stream into calls;
+- compiled and exported execution at dynamic shapes, `torch.compile`
+  guards, and the absence of any `(T, T)` or per-token state tensor (from
+  each backend's trace of a call);
+- numerical edge cases: half precision over long sequences, extreme
+  exponents and denominators, finite-difference gradients, the
+  convergence of FAVOR+ to softmax attention;
+- API edge cases: argument forms, masks of symbolic models, empty
+  sequences, models of every kind, a model saved by the layer's first
+  version (`testdata/linear_attention_v1.keras`), feature-map layers and
+  objects, quantized and mixed-precision models.
+
+The NumPy reference of the formulas and the small helpers are the unit
+test's.
+"""
+
+import json
+import os
+import re
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from keras.src import backend
+from keras.src import dtype_policies
+from keras.src import layers
+from keras.src import models
+from keras.src import ops
+from keras.src import saving
+from keras.src import testing
+from keras.src import tree
+from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.layers.attention.linear_attention_test import BATCH
+from keras.src.layers.attention.linear_attention_test import CONFIGS
+from keras.src.layers.attention.linear_attention_test import INPUT_DIM
+from keras.src.layers.attention.linear_attention_test import KEY_DIM
+from keras.src.layers.attention.linear_attention_test import LENGTH
+from keras.src.layers.attention.linear_attention_test import NUM_HEADS
+from keras.src.layers.attention.linear_attention_test import VALUE_DIM
+from keras.src.layers.attention.linear_attention_test import _float64_enabled
+from keras.src.layers.attention.linear_attention_test import _gradients
+from keras.src.layers.attention.linear_attention_test import _inputs
+from keras.src.layers.attention.linear_attention_test import _layer
+from keras.src.layers.attention.linear_attention_test import _np_reference
+from keras.src.layers.attention.linear_attention_test import _stream
+from keras.src.models import cloning
+from keras.src.utils import rng_utils
+
+# Tolerances. Each comparison is relative to the largest magnitude of the
+# expected values (`_assert_close`), because outputs without the normalizer
+# grow with the sequence length.
+#
+# float32 layer vs the float64 NumPy reference: float32 rounding (~1.2e-7)
+# accumulated over sums of up to ~130 terms and four projections, with
+# margin; a wrong formula (e.g. a missing or extra time step) is off by
+# more than 1e-2.
+FLOAT32_RTOL = 2e-5
+# Two float32 algorithms against each other (parallel vs recurrent, full vs
+# chunked vs token by token): both round like the above, in another order.
+FLOAT32_PARITY_RTOL = 2e-5
+# Gradients go through the same sums twice (forward and backward).
+FLOAT32_GRADIENT_RTOL = 1e-4
+# float64 layer vs the float64 reference: only summation order differs.
+FLOAT64_RTOL = 1e-10
+# Central finite differences in float64 with step 1e-6: truncation error
+# ~h^2 and rounding ~1e-16 / h, both far below this.
+FINITE_DIFFERENCE_RTOL = 1e-6
+# mixed_float16 layer vs the same weights in float32: the projections
+# round their inputs and outputs to 11 significant bits (~5e-4 relative
+# error per rounding), a few roundings deep.
+MIXED_FLOAT16_RTOL = 5e-3
+# Head outputs recovered from float32 layer outputs through the inverse of
+# an orthogonal 8x8 output kernel (condition number 1): float32 rounding
+# only; a wrong dropout scale is off by 1/3 or more.
+DROPOUT_RECOVERY_RTOL = 1e-3
+# The fraction of head outputs dropped, against the rate: a binomial
+# estimate from 2 * 70 * 8 = 1120 draws (standard deviation 0.013 at rate
+# 0.25), within ~4 standard deviations.
+DROPOUT_FRACTION_ATOL = 0.05
+
+# Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
+# second one partial, and a partial last chunk.
+LONG_LENGTH = 18 * 64 + 5
+# The feature maps and head layouts beyond the default.
+EXTENSIONS = ("favor_plus", "hedgehog", "grouped", "grouped_hedgehog")
+EXTENSION_PARAMETERS = [(name, name) for name in EXTENSIONS]
+
+
+def _assert_close(actual, expected, rtol, msg=None):
+    actual = np.asarray(backend.convert_to_numpy(actual), dtype="float64")
+    expected = np.asarray(backend.convert_to_numpy(expected), "float64")
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{msg or ''} shape {actual.shape} != {expected.shape}"
+        )
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    error = float(np.max(np.abs(actual - expected), initial=0.0))
+    if not error <= rtol * scale:
+        raise AssertionError(
+            f"{msg or ''} max abs error {error:.3g} > {rtol:g} * {scale:.3g}"
+        )
+
+
+def _np_weights(layer):
+    """The layer's weights in float64, by path within the layer."""
+    return {
+        v.path[len(layer.path) + 1 :]: np.asarray(
+            backend.convert_to_numpy(v), "float64"
+        )
+        for v in layer.weights
+    }
+
+
+def _np_softmax(x):
+    x = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return x / np.sum(x, axis=-1, keepdims=True)
+
+
+def _pieces(length, size):
+    return [size] * (length // size) + (
+        [length % size] if length % size else []
+    )
+
+
+def _state_near_1000(state):
+    """float32 values near 1000 that float16 and bfloat16 cannot hold."""
+    return tuple(
+        (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
+        for s in state
+    )
+
+
+def _recorded_shapes(layer, x, **call_kwargs):
+    """Shapes of every intermediate tensor of a forward call."""
+    name = backend.backend()
+    shapes = []
+    if name == "jax":
+        import jax
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def forward(x):
+            return layer.stateless_call(
+                trainable, non_trainable, x, **call_kwargs
+            )[0]
+
+        def walk(jaxpr):
+            for equation in jaxpr.eqns:
+                for var in equation.outvars:
+                    shapes.append(tuple(getattr(var.aval, "shape", ())))
+                for param in equation.params.values():
+                    for sub in param if isinstance(param, tuple) else [param]:
+                        if hasattr(sub, "jaxpr"):
+                            walk(getattr(sub.jaxpr, "jaxpr", sub.jaxpr))
+                        elif hasattr(sub, "eqns"):
+                            walk(sub)
+
+        walk(jax.make_jaxpr(forward)(x).jaxpr)
+    elif name == "tensorflow":
+        import tensorflow as tf
+
+        function = tf.function(lambda x: layer(x, **call_kwargs))
+        graph = function.get_concrete_function(
+            tf.TensorSpec(x.shape, x.dtype)
+        ).graph
+        graphs = [graph] + [f.graph for f in graph._functions.values()]
+        for g in graphs:
+            for op in g.get_operations():
+                for tensor in op.outputs:
+                    if tensor.shape.rank is not None:
+                        shapes.append(tuple(tensor.shape.as_list()))
+    elif name == "torch":
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for item in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(item, torch.Tensor):
+                        shapes.append(tuple(item.shape))
+                return out
+
+        with Recorder():
+            layer(x, **call_kwargs)
+    else:
+        pytest.skip(f"No instrumentation on the {name} backend.")
+    return shapes
+
+
+@saving.register_keras_serializable(package="LinearAttentionRobustnessTest")
+class SoftplusFeatureMap(layers.Layer):
+    def call(self, x):
+        return ops.softplus(x)
+
+
+@saving.register_keras_serializable(package="LinearAttentionRobustnessTest")
+class ScaledSoftplusFeatureMap(layers.Layer):
+    """A map with a weight: `softplus(x * scale)`, one scale per feature."""
+
+    def build(self, input_shape):
+        self.build_shape = tuple(input_shape)
+        self.scale = self.add_weight(
+            shape=(input_shape[-1],), initializer="random_uniform"
+        )
+
+    def call(self, x):
+        return ops.softplus(x * self.scale)
+
+
+@saving.register_keras_serializable(package="LinearAttentionRobustnessTest")
+class PowerFeatureMap:
+    """A callable object: `relu(x) ** power + 1`."""
+
+    def __init__(self, power=2):
+        self.power = power
+
+    def __call__(self, x):
+        return ops.relu(x) ** self.power + 1.0
+
+    def get_config(self):
+        return {"power": self.power}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+class _StreamingModel(models.Model):
+    def __init__(self, attention, **kwargs):
+        super().__init__(autocast=False, **kwargs)
+        self.attention = attention
+
+    def call(self, x, state):
+        return self.attention(x, initial_state=state, return_state=True)
+
+
+class LinearAttentionRobustnessTest(testing.TestCase):
+    # Long sequences, streams and intermediate tensors.
+
+    @parameterized.named_parameters(
+        ("default", None, True),
+        ("grouped", "grouped", True),
+        ("no_normalizer", None, False),
+    )
+    @pytest.mark.skipif(
+        backend.backend() in ("numpy", "openvino"),
+        reason="These backends compute float64 layers in float32.",
+    )
+    def test_long_sequence_matches_reference(self, extension, normalizer):
+        # 19 chunks of 64 steps, the last one partial: a full block of the
+        # prefix sum over chunks (16 chunks per block) and a partial one.
+        # float64, so that any misplaced chunk or block shows far above
+        # rounding.
+        with _float64_enabled():
+            layer = _layer(
+                causal=True,
+                execution_mode="parallel",
+                dtype="float64",
+                config=extension,
+                use_normalizer=normalizer,
+            )
+            x = _inputs((2, LONG_LENGTH, INPUT_DIM), dtype="float64")
+            mask = np.ones((2, LONG_LENGTH), bool)
+            mask[0, 1000:1100] = mask[1, 5:9] = False
+            rng = np.random.RandomState(3)
+            heads = layer.num_key_value_heads
+            initial_state = (
+                rng.uniform(size=(2, heads, KEY_DIM, VALUE_DIM)),
+                rng.uniform(1, 2, size=(2, heads, KEY_DIM)),
+            )[: 2 if normalizer else 1]
+            expected, expected_state = _np_reference(
+                layer, x, mask, initial_state=initial_state
+            )
+            y, state = layer(
+                x, mask=mask, initial_state=initial_state, return_state=True
+            )
+            _assert_close(y, expected, FLOAT64_RTOL)
+            for actual, reference in zip(state, expected_state):
+                _assert_close(actual, reference, FLOAT64_RTOL)
+
+    @parameterized.named_parameters([("default", None)] + EXTENSION_PARAMETERS)
+    def test_every_stream_split(self, extension):
+        # The unit test's `test_full_chunked_and_token_by_token_agree` with
+        # more splits: before, on and after the chunk edge, and pieces
+        # shorter and longer than a chunk. Token-by-token and two-token
+        # pieces run with the mask only, to keep the (eager, per-call) test
+        # time down; the other feature maps and head layouts run fewer
+        # splits.
+        layer = _layer(causal=True, config=extension)
+        chunk = layer._chunk_size
+        length = chunk + 3
+        x = _inputs((BATCH, length, INPUT_DIM))
+        mask = np.ones((BATCH, length), bool)
+        mask[0, :5] = False  # left padding
+        mask[1, chunk - 2 : chunk + 1] = False  # a gap across a chunk edge
+        mask[1, -1:] = False  # right padding
+        for step_mask in (None, mask):
+            full, full_state = layer(x, mask=step_mask, return_state=True)
+            expected, _ = _np_reference(layer, x, step_mask)
+            _assert_close(full, expected, FLOAT32_RTOL)
+            splits = [
+                [1, length - 1],
+                [chunk - 1, length - chunk + 1],
+                [chunk, length - chunk],
+                [chunk + 1, length - chunk - 1],
+                [5, chunk - 10, 8],
+            ]
+            sizes = (7, 64, 65) if step_mask is None else (1, 2, 7, 64, 65)
+            if extension is not None:
+                # The splits do not depend on the feature map or the heads:
+                # the ones that probe the chunk edges and single tokens.
+                splits = splits[2:]
+                sizes = (65,) if step_mask is None else (1, 7)
+            splits += [_pieces(length, size) for size in sizes]
+            for sizes in splits:
+                streamed, state = _stream(layer, x, sizes, step_mask)
+                message = f"sizes={sizes[:3]}, masked={step_mask is not None}"
+                _assert_close(streamed, full, FLOAT32_PARITY_RTOL, message)
+                for actual, reference in zip(state, full_state):
+                    _assert_close(
+                        actual,
+                        backend.convert_to_numpy(reference),
+                        FLOAT32_PARITY_RTOL,
+                        message,
+                    )
+
+    @parameterized.named_parameters(
+        ("normalized", True, None),
+        ("unnormalized", False, None),
+        ("grouped_unnormalized", False, "grouped"),
+    )
+    def test_one_token_calls_match_reference(self, use_normalizer, extension):
+        # One-token calls run the recurrent step without a scan: the
+        # outputs of five such calls and the state after them.
+        layer = _layer(
+            causal=True, use_normalizer=use_normalizer, config=extension
+        )
+        x = _inputs((BATCH, 5, INPUT_DIM))
+        expected, expected_state = _np_reference(layer, x)
+        y, state = _stream(layer, x, [1] * 5)
+        _assert_close(y, expected, FLOAT32_RTOL)
+        self.assertLen(state, len(expected_state))
+        for actual, reference in zip(state, expected_state):
+            _assert_close(actual, reference, FLOAT32_RTOL)
+
+    def test_no_quadratic_or_per_token_state_tensor(self):
+        # T is larger than every other dimension, so a (T, T) tensor would
+        # show two dimensions >= T, and a per-token state would need at
+        # least T * H * Dk * Dv elements (~6x more than the biggest
+        # legitimate tensor, the in-chunk scores).
+        length, heads, dim = 200, 2, 16
+        x = _inputs((1, length, 8))
+        per_token_state = length * heads * dim * dim
+        cases = [
+            ("non_causal", {}),
+            ("parallel", {"causal": True}),
+            (
+                "favor_plus",
+                {
+                    "causal": True,
+                    "feature_map": "favor_plus",
+                    "num_features": 16,
+                },
+            ),
+            ("grouped", {"causal": True, "num_key_value_heads": 1}),
+        ]
+        if backend.backend() != "tensorflow":
+            # TensorFlow's while loop body lives in a separate function.
+            cases.append(
+                ("recurrent", {"causal": True, "execution_mode": "recurrent"})
+            )
+        for name, kwargs in cases:
+            layer = _layer(
+                num_heads=heads, key_dim=dim, value_dim=dim, **kwargs
+            )
+            shapes = _recorded_shapes(layer, x)
+            # The instrument saw the sequence axis.
+            self.assertTrue(
+                any(length in shape for shape in shapes), (name, shapes)
+            )
+            if name == "parallel":
+                # "auto" (the default) runs a multi-step call chunkwise:
+                # the in-chunk scores are there (a scan over steps would
+                # give the same outputs, far more slowly).
+                chunk = layer._chunk_size
+                self.assertIn(
+                    (chunk, chunk), {shape[-2:] for shape in shapes}, shapes
+                )
+            for shape in shapes:
+                long_axes = [d for d in shape if d is not None and d >= length]
+                self.assertLessEqual(len(long_axes), 1, (name, shape))
+                self.assertLess(
+                    int(np.prod(shape)), per_token_state, (name, shape)
+                )
+
+    @parameterized.named_parameters(
+        ("default", None), ("favor_plus", "favor_plus")
+    )
+    def test_empty_sequence(self, extension):
+        # FAVOR+ takes a maximum over each query's features, which
+        # TensorFlow and PyTorch refused for an empty sequence.
+        kwargs = CONFIGS.get(extension, {})
+        x = _inputs((BATCH, 0, INPUT_DIM))
+        self.assertEqual(
+            tuple(_layer(build=False, **kwargs)(x).shape), (BATCH, 0, INPUT_DIM)
+        )
+        self.assertEqual(
+            tuple(
+                _layer(build=False, **kwargs)(
+                    _inputs((0, LENGTH, INPUT_DIM))
+                ).shape
+            ),
+            (0, LENGTH, INPUT_DIM),
+        )
+        for mode in ("auto", "parallel", "recurrent"):
+            layer = _layer(
+                build=False, causal=True, execution_mode=mode, **kwargs
+            )
+            start = tuple(
+                _inputs(tuple(s.shape), seed=3)
+                for s in layer.get_initial_state(BATCH)
+            )
+            y, state = layer(
+                x,
+                mask=np.ones((BATCH, 0), bool),
+                initial_state=start,
+                return_state=True,
+            )
+            self.assertEqual(tuple(y.shape), (BATCH, 0, INPUT_DIM))
+            for actual, expected in zip(state, start):
+                self.assertAllEqual(actual, expected)
+            # An empty batch: the reshapes into chunks could not count the
+            # chunks of zero elements.
+            y, state = layer(_inputs((0, LENGTH, INPUT_DIM)), return_state=True)
+            self.assertEqual(tuple(y.shape), (0, LENGTH, INPUT_DIM))
+            for actual, expected in zip(state, layer.get_initial_state(0)):
+                self.assertEqual(tuple(actual.shape), tuple(expected.shape))
+
+    # Argument forms.
+
+    @parameterized.named_parameters(
+        ("output_shape_tuple_zero", {"output_shape": (0,)}, "output_shape"),
+        (
+            "epsilon_string",
+            {"normalization_epsilon": "1e-6"},
+            "normalization_epsilon",
+        ),
+        ("num_heads_numpy_bool", {"num_heads": np.bool_(True)}, "num_heads"),
+        ("seed_bool", {"seed": True}, "seed"),
+        # A seed that PyTorch's dropout refuses (past int32), with an error
+        # that did not name `seed`.
+        ("seed_too_large", {"seed": 2**31, "dropout": 0.1}, "seed"),
+        (
+            "projection_dtypes_type",
+            {"projection_dtypes": ["int8_from_float32"]},
+            "projection_dtypes",
+        ),
+    )
+    def test_invalid_argument_forms(self, kwargs, name):
+        kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
+        with self.assertRaisesRegex(ValueError, f"`{name}.*Received"):
+            LinearAttention(**kwargs)
+
+    def test_numpy_arguments_and_default_initializers(self):
+        # `None` initializers are the defaults (upstream's
+        # `initializers.get(None)` is `None`, which failed at the build).
+        layer = LinearAttention(
+            2, 4, kernel_initializer=None, bias_initializer=None
+        )
+        config = layer.get_config()
+        self.assertEqual(
+            config["kernel_initializer"]["class_name"], "GlorotUniform"
+        )
+        self.assertEqual(config["bias_initializer"]["class_name"], "Zeros")
+        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, INPUT_DIM))
+        # NumPy scalars, as MultiHeadAttention takes them, become Python
+        # values: the configuration stays JSON-serializable.
+        layer = LinearAttention(
+            np.int64(2),
+            np.int32(4),
+            value_dim=np.int64(3),
+            output_shape=np.int64(5),
+            causal=np.bool_(True),
+            use_normalizer=np.bool_(True),
+            use_bias=np.bool_(False),
+            dropout=np.float32(0.25),
+            normalization_epsilon=np.float64(1e-5),
+            seed=np.int64(3),
+            num_key_value_heads=np.int64(1),
+        )
+        config = json.loads(json.dumps(layer.get_config()))
+        for name, value in (
+            ("num_heads", 2),
+            ("key_dim", 4),
+            ("value_dim", 3),
+            ("output_shape", 5),
+            ("causal", True),
+            ("use_normalizer", True),
+            ("use_bias", False),
+            ("dropout", 0.25),
+            ("normalization_epsilon", 1e-5),
+            ("seed", 3),
+            ("num_key_value_heads", 1),
+        ):
+            self.assertEqual(config[name], value)
+            attribute = "_output_shape" if name == "output_shape" else name
+            self.assertIs(type(getattr(layer, attribute, None)), type(value))
+        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, 5))
+        favor = LinearAttention(
+            2, 4, feature_map="favor_plus", num_features=np.int64(6)
+        )
+        self.assertIs(type(favor.num_features), int)
+
+    def test_invalid_input_forms(self):
+        # The forms beyond the unit test's `test_invalid_inputs`.
+        layer = _layer(build=False, causal=True)
+        with self.assertRaisesRegex(ValueError, "rank 3"):
+            layer(_inputs((2, 3, 4, 8)))
+        with self.assertRaisesRegex(ValueError, "floating-point"):
+            _layer(build=False)(np.ones((2, 3, 8), "bool"))
+        with self.assertRaisesRegex(ValueError, "input_dim.*must be known"):
+            _layer(build=False)(layers.Input((None, None)))
+        x = _inputs()
+        with self.assertRaisesRegex(ValueError, "(?i)cross-attention"):
+            _layer(build=False)([x, x])
+        with self.assertRaises((TypeError, ValueError)):
+            _layer(build=False)(query=x, value=x)
+        # Not a mask: e.g. a state passed by position (the second positional
+        # argument is `mask`).
+        for mask in (layer.get_initial_state(BATCH), {"mask": 1}):
+            with self.assertRaisesRegex(ValueError, "`mask` must be"):
+                layer(x, mask)
+        # Another input width than the layer was built with, symbolically.
+        with self.assertRaisesRegex(ValueError, "axis -1 .* value 8"):
+            _layer(causal=True)(layers.Input((None, 6)))
+        for batch_size in (None, -1, True, "2", [2], np.ones((2,))):
+            with self.assertRaisesRegex(ValueError, "batch_size"):
+                layer.get_initial_state(batch_size)
+        with self.assertRaisesRegex(ValueError, "only supported by causal"):
+            _layer(build=False)(x, initial_state=layer.get_initial_state(2))
+
+        # A feature map must keep its input's batch, time and heads, and in
+        # a causal layer its number of features (the state's); other
+        # shapes failed inside the backend.
+        def doubled(x):
+            return ops.concatenate([ops.relu(x), ops.relu(-x)], axis=-1)
+
+        def summed(x):
+            return ops.sum(ops.relu(x), axis=-1)
+
+        for feature_map, causal in (
+            (doubled, True),
+            (summed, False),
+            (lambda x: (x, x), False),
+            (lambda x: (x, x), True),
+            (lambda x: ops.relu(x)[:, :1], False),
+        ):
+            expected = "(2, 70, 2, 3)" if causal else "(2, 70, 2), and any"
+            with self.assertRaisesRegex(
+                ValueError,
+                f"`feature_map` must return.*{re.escape(expected)}.*Received",
+            ):
+                _layer(build=False, feature_map=feature_map, causal=causal)(x)
+        # Non-causal: any number of features, the same for queries and keys.
+        non_causal = _layer(build=False, feature_map=doubled)
+        outputs = non_causal(x)
+        expected, _ = _np_reference(
+            non_causal,
+            x,
+            feature=lambda f: np.concatenate([f * (f > 0), -f * (f < 0)], -1),
+        )
+        _assert_close(outputs, expected, FLOAT32_RTOL)
+        favor = _layer(**CONFIGS["favor_plus"])
+        with self.assertRaisesRegex(ValueError, "`seed`"):
+            favor.redraw_random_features(seed=-1)
+        # Without dropout, a seed reaches only NumPy, which takes any
+        # non-negative integer.
+        favor = _layer(build=False, seed=2**40, **CONFIGS["favor_plus"])
+        favor(x)
+        favor.redraw_random_features(seed=2**40)
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            # A `TensorShape`, as `Dense` and MultiHeadAttention take it.
+            shape = tf.TensorShape([None, None, INPUT_DIM])
+            self.assertEqual(
+                _layer(build=False).compute_output_shape(shape),
+                (None, None, INPUT_DIM),
+            )
+            unbuilt = _layer(build=False)
+            unbuilt.build(shape)
+            self.assertTrue(unbuilt.built)
+
+    def test_summary_of_subclassed_model(self):
+        # A layer without graph nodes: `Model.summary()` reads a public
+        # `output_shape` attribute as the shape of its output (the layer's
+        # argument is therefore kept private, as in MultiHeadAttention).
+        class Wrapper(models.Model):
+            def __init__(self):
+                super().__init__()
+                self.attention = LinearAttention(2, 4, output_shape=6)
+
+            def call(self, inputs):
+                return self.attention(inputs)
+
+        model = Wrapper()
+        model(_inputs((1, 3, 8)))
+        lines = []
+        model.summary(print_fn=lambda line, **kwargs: lines.append(line))
+        self.assertIn("LinearAttention", "\n".join(lines))
+
+    def test_positional_call_arguments(self):
+        # `mask`, `initial_state` and `return_state` by position give the
+        # same as by keyword, also under mixed precision (`Layer.__call__`
+        # added `mask=` for a call with one tensor argument, a second value
+        # for a mask given by position).
+        x = _inputs()
+        mask = np.arange(LENGTH)[None] < [[LENGTH], [40]]
+        for dtype in ("float32", "mixed_bfloat16"):
+            layer = _layer(causal=True, dtype=dtype)
+            state = layer.get_initial_state(BATCH)
+            self.assertAllEqual(layer(x, None), layer(x))
+            self.assertAllEqual(layer(x, mask), layer(x, mask=mask))
+            self.assertAllEqual(
+                layer(x, None, initial_state=state),
+                layer(x, initial_state=state),
+            )
+            by_position = layer(x, mask, state, True)
+            by_keyword = layer(
+                x, mask=mask, initial_state=state, return_state=True
+            )
+            for actual, expected in zip(
+                tree.flatten(by_position), tree.flatten(by_keyword)
+            ):
+                self.assertAllEqual(actual, expected)
+
+    def test_subclass_with_another_call_signature(self):
+        class WithoutTraining(LinearAttention):
+            def call(self, inputs, mask=None):
+                return super().call(inputs, mask=mask)
+
+        layer = WithoutTraining(NUM_HEADS, KEY_DIM, causal=True)
+        inputs = layers.Input((None, INPUT_DIM))
+        model = models.Model(inputs, layer(inputs))
+        x = _inputs()
+        expected, _ = _np_reference(layer, x)
+        _assert_close(model.predict(x, verbose=0), expected, FLOAT32_RTOL)
+
+    # Masks and state.
+
+    def test_concrete_mask_on_symbolic_inputs(self):
+        layer = _layer(build=False, causal=True)
+        outputs = layer(
+            layers.Input((None, INPUT_DIM)), mask=np.ones((1, 7), bool)
+        )
+        self.assertEqual(outputs.shape, (None, None, INPUT_DIM))
+
+    @parameterized.named_parameters([("default", None)] + EXTENSION_PARAMETERS)
+    def test_padding_does_not_leak_into_outputs_or_gradients(self, extension):
+        # Sequences of different lengths, padded in one batch (right padding
+        # for both modes, left padding for causal), give the same outputs
+        # at valid steps as each sequence alone. The padding holds large
+        # values and NaN so that any leak shows.
+        lengths = [5, 9]
+        x = _inputs((2, 9, INPUT_DIM))
+        for causal, side in ((False, "right"), (True, "right"), (True, "left")):
+            layer = _layer(causal=causal, config=extension)
+            padded = np.full((2, 12, INPUT_DIM), 1e4, "float32")
+            padded[0, 0] = np.nan
+            mask = np.zeros((2, 12), bool)
+            for i, n in enumerate(lengths):
+                where = slice(0, n) if side == "right" else slice(12 - n, 12)
+                padded[i, where] = x[i, :n]
+                mask[i, where] = True
+            if side == "right":
+                padded[0, 11] = np.nan
+            y = backend.convert_to_numpy(layer(padded, mask=mask))
+            self.assertFalse(np.any(np.isnan(y)))
+            for i, n in enumerate(lengths):
+                alone = layer(x[i : i + 1, :n])
+                _assert_close(y[i : i + 1][:, mask[i]], alone, FLOAT32_RTOL)
+            # Nor into the gradients: the same as with zero padding (a
+            # projection of nan padding made every weight gradient nan).
+            upstream = _inputs(padded.shape, seed=2)
+            zero_padded = np.where(mask[:, :, None], padded, 0.0)
+            expected = _gradients(layer, zero_padded, upstream, mask=mask)
+            actual = _gradients(layer, padded, upstream, mask=mask)
+            for actual_gradient, expected_gradient in zip(actual, expected):
+                _assert_close(
+                    actual_gradient, expected_gradient, FLOAT32_GRADIENT_RTOL
+                )
+
+    def test_propagated_mask_is_the_applied_mask(self):
+        # A broadcastable or 0/1 mask reaches the next layers as the
+        # (batch, sequence_length) boolean mask the layer applied (passed
+        # on as given, a (batch, 1) mask made the average below T times
+        # too large).
+        layer = _layer(causal=True)
+        x = _inputs()
+        cases = {
+            "column": np.ones((BATCH, 1), bool),
+            "row": np.arange(LENGTH)[None] % 3 != 0,
+            "numeric": (np.arange(LENGTH)[None] < [[LENGTH], [40]]).astype(
+                "float32"
+            ),
+        }
+        for name, mask in cases.items():
+            valid = np.broadcast_to(mask != 0, (BATCH, LENGTH))
+            y = layer(x, mask=mask)
+            propagated = backend.get_keras_mask(y)
+            self.assertDType(propagated, "bool")
+            self.assertAllEqual(propagated, valid, name)
+            # Read by the next layer: the mean over the valid steps.
+            pooled = layers.GlobalAveragePooling1D()(y)
+            y = backend.convert_to_numpy(y)
+            expected = [y[i][valid[i]].mean(axis=0) for i in range(BATCH)]
+            self.assertAllClose(pooled, np.stack(expected), msg=name)
+        # Symbolic: what a Functional model records for the next layer,
+        # from a symbolic or a concrete mask.
+        symbolic = layer(layers.Input((None, INPUT_DIM)), mask=cases["row"])
+        self.assertEqual(backend.get_keras_mask(symbolic).shape, (None, LENGTH))
+        inputs = layers.Input((None, INPUT_DIM))
+        mask_input = layers.Input((1,), dtype="bool")
+        outputs = layer(inputs, mask=mask_input)
+        self.assertEqual(backend.get_keras_mask(outputs).shape, (None, None))
+        model = models.Model(
+            [inputs, mask_input], layers.GlobalAveragePooling1D()(outputs)
+        )
+        self.assertAllClose(
+            model([x, np.ones((BATCH, 1), bool)]),
+            np.mean(backend.convert_to_numpy(layer(x)), axis=1),
+        )
+
+    def test_state_not_saved(self):
+        layer = _layer(build=False, causal=True)
+        inputs = layers.Input((None, 8))
+        model = models.Model(inputs, layer(inputs))
+        layer(_inputs(), return_state=True)
+        self.assertNotIn("state", json.dumps(layer.get_config()))
+        path = os.path.join(self.get_temp_dir(), "model.keras")
+        model.save(path)
+        with zipfile.ZipFile(path) as archive:
+            self.assertNotIn("state", archive.read("config.json").decode())
+            import h5py
+
+            with archive.open("model.weights.h5") as file:
+                with h5py.File(file) as weights:
+                    datasets = []
+                    weights.visititems(
+                        lambda name, obj: (
+                            datasets.append(name)
+                            if isinstance(obj, h5py.Dataset)
+                            else None
+                        )
+                    )
+        self.assertLen(datasets, len(model.weights))
+        self.assertLen(model.weights, 8)
+
+    # Models and saving.
+
+    def test_sequential_and_subclassed_models(self):
+        x = _inputs()
+        for kwargs in ({}, {"causal": True, "feature_map": "relu"}):
+            layer = _layer(**kwargs)
+            expected = backend.convert_to_numpy(layer(x))
+            sequential = models.Sequential(
+                [layers.Input((None, INPUT_DIM)), _layer(build=False, **kwargs)]
+            )
+            sequential.set_weights(layer.get_weights())
+            self.assertAllClose(sequential(x), expected, atol=0, rtol=0)
+            path = os.path.join(self.get_temp_dir(), "sequential.keras")
+            sequential.save(path)
+            self.assertAllClose(
+                saving.load_model(path)(x), expected, atol=0, rtol=0
+            )
+
+        class Subclassed(models.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.attention = LinearAttention(2, 4, causal=True)
+                self.dense = layers.Dense(3)
+
+            def call(self, x):
+                return self.dense(self.attention(x))
+
+        model = Subclassed()
+        self.assertEqual(model(x).shape, (BATCH, LENGTH, 3))
+        self.assertLen(model.trainable_weights, 10)
+
+    def test_v1_saved_model_loads_unchanged(self):
+        # `testdata/linear_attention_v1.keras` was saved by the first
+        # version of the layer (before FAVOR+, Hedgehog and grouped heads),
+        # with its outputs and final causal state on fixed inputs in the
+        # `.npz` beside it. Made on TensorFlow with:
+        #   inputs = keras.Input((6, 8))
+        #   x = LinearAttention(2, 4, causal=True, name="causal")(inputs)
+        #   x = LinearAttention(2, 3, value_dim=5, feature_map="relu",
+        #       use_normalizer=False, output_shape=8, name="non_causal")(x)
+        #   keras.Model(inputs, x).save(...)
+        # Both the config (defaults of new arguments) and the weights must
+        # load as before, on every backend.
+        directory = os.path.join(os.path.dirname(__file__), "testdata")
+        expected = np.load(os.path.join(directory, "linear_attention_v1.npz"))
+        model = saving.load_model(
+            os.path.join(directory, "linear_attention_v1.keras")
+        )
+        self.assertLen(model.weights, 16)
+        _assert_close(
+            model(expected["inputs"]), expected["outputs"], FLOAT32_RTOL
+        )
+        causal = model.get_layer("causal")
+        self.assertEqual(causal.get_config()["feature_map"], "elu_plus_one")
+        _, state = causal(
+            expected["inputs"],
+            initial_state=causal.get_initial_state(2),
+            return_state=True,
+        )
+        _assert_close(state[0], expected["key_value_state"], FLOAT32_RTOL)
+        _assert_close(state[1], expected["key_state"], FLOAT32_RTOL)
+
+    def test_dynamic_length_functional_model(self):
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(build=False, causal=True)
+        model = models.Model(inputs, layer(inputs))
+        for length in (1, 3, 70):
+            x = _inputs((BATCH, length, INPUT_DIM))
+            expected, _ = _np_reference(layer, x)
+            _assert_close(model.predict(x, verbose=0), expected, FLOAT32_RTOL)
+
+    # Feature maps.
+
+    def test_unregistered_feature_map_objects(self):
+        # A `Layer` or callable object must load as its own class.
+        class Unregistered(layers.Layer):
+            def call(self, x):
+                return ops.softplus(x)
+
+        @saving.register_keras_serializable("LinearAttentionTest")
+        class WithoutFromConfig:
+            def __call__(self, x):
+                return ops.softplus(x)
+
+            def get_config(self):
+                return {}
+
+        for feature_map in (Unregistered(), WithoutFromConfig()):
+            with self.assertRaisesRegex(
+                ValueError, "register_keras_serializable"
+            ):
+                _layer(build=False, feature_map=feature_map).get_config()
+
+    def test_registered_callable_object_as_feature_map(self):
+        layer = _layer(causal=True, feature_map=PowerFeatureMap(3))
+        revived = LinearAttention.from_config(layer.get_config())
+        self.assertIsInstance(revived.feature_map, PowerFeatureMap)
+        revived.build((None, None, INPUT_DIM))
+        revived.set_weights(layer.get_weights())
+        x = _inputs()
+        expected, _ = _np_reference(
+            layer, x, feature=lambda f: np.maximum(f, 0.0) ** 3 + 1.0
+        )
+        _assert_close(revived(x), expected, FLOAT32_RTOL)
+
+    def test_custom_feature_map_layer(self):
+        def softplus(x):
+            return np.logaddexp(0.0, x)
+
+        x = _inputs()
+        for causal, kwargs in ((False, {}), (True, CONFIGS["grouped"])):
+            layer = _layer(
+                causal=causal, feature_map=SoftplusFeatureMap(), **kwargs
+            )
+            expected, _ = _np_reference(layer, x, feature=softplus)
+            _assert_close(layer(x), expected, FLOAT32_RTOL)
+            inputs = layers.Input((None, INPUT_DIM))
+            model = models.Model(inputs, layer(inputs))
+            path = os.path.join(self.get_temp_dir(), "layer_map.keras")
+            model.save(path)
+            loaded = saving.load_model(path)
+            self.assertIsInstance(
+                loaded.layers[1].feature_map, SoftplusFeatureMap
+            )
+            self.assertAllClose(loaded(x), model(x), atol=0, rtol=0)
+
+    def test_feature_map_layer_with_weights(self):
+        # Built with the layer, also symbolically (a Functional model never
+        # calls `call` while it is built), so that its weight is one of the
+        # model's and weights files load into a new model.
+        def model():
+            inputs = layers.Input((None, INPUT_DIM))
+            layer = _layer(
+                build=False, causal=True, feature_map=ScaledSoftplusFeatureMap()
+            )
+            return models.Model(inputs, layer(inputs))
+
+        first, second = model(), model()
+        self.assertLen(first.weights, 9)  # 4 kernels, 4 biases, the map's
+        # Built for unknown batch and length (PyTorch's symbolic call gave
+        # it placeholder sizes, kept in its build configuration).
+        self.assertEqual(
+            first.layers[1].feature_map.build_shape,
+            (None, None, NUM_HEADS, KEY_DIM),
+        )
+        x = _inputs()
+        path = os.path.join(self.get_temp_dir(), "map.weights.h5")
+        first.save_weights(path)
+        second.load_weights(path)
+        self.assertAllClose(second(x), first(x), atol=0, rtol=0)
+        scale = backend.convert_to_numpy(first.layers[1].feature_map.scale)
+
+        def scaled_softplus(features):
+            return np.logaddexp(0.0, features * scale)
+
+        expected, _ = _np_reference(first.layers[1], x, feature=scaled_softplus)
+        _assert_close(first(x), expected, FLOAT32_RTOL)
+
+    def test_feature_map_layer_without_build(self):
+        # A map whose sublayer is built by running it (it has no `build()`)
+        # is built with the layer too, without Keras's unbuilt-state
+        # warning.
+        class DenseFeatureMap(layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.dense = layers.Dense(KEY_DIM)
+
+            def call(self, x):
+                return ops.softplus(self.dense(x))
+
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(build=False, causal=True, feature_map=DenseFeatureMap())
+        with warnings.catch_warnings():
+            # Keras's warning; NumPy's symbolic call may warn of overflows.
+            warnings.simplefilter("error", UserWarning)
+            model = models.Model(inputs, layer(inputs))
+        self.assertTrue(layer.feature_map.dense.built)
+        self.assertLen(model.weights, 10)  # 8 of the projections, 2 map's
+
+    def test_feature_map_layer_under_mixed_precision(self):
+        # A map `Layer` made under a mixed policy computes in float16: its
+        # features are cast back, so that keys, key sums and states stay
+        # float32 (before, TensorFlow and PyTorch failed adding float16
+        # keys to the float32 state).
+        x = _inputs()
+        reference = _layer(causal=True, feature_map=SoftplusFeatureMap())
+        for length in (1, LENGTH):  # the recurrent and the parallel path
+            layer = _layer(
+                causal=True,
+                dtype="mixed_float16",
+                feature_map=SoftplusFeatureMap(dtype="mixed_float16"),
+            )
+            layer.set_weights(reference.get_weights())
+            outputs, state = layer(x[:, :length], return_state=True)
+            expected, expected_state = reference(
+                x[:, :length], return_state=True
+            )
+            self.assertDType(outputs, "float16")
+            _assert_close(outputs, expected, MIXED_FLOAT16_RTOL)
+            for actual, wanted in zip(state, expected_state):
+                self.assertDType(actual, "float32")
+                _assert_close(actual, wanted, MIXED_FLOAT16_RTOL)
+
+    def test_feature_map_weights_are_not_autocast(self):
+        # Read in float32 inside the layer's bfloat16 autocast scope.
+        for extension, name in (
+            ("favor_plus", "random_features"),
+            ("hedgehog", "feature_map_kernel"),
+        ):
+            layer = _layer(config=extension, dtype="mixed_bfloat16")
+            with backend.AutocastScope("bfloat16"):
+                self.assertDType(getattr(layer, name).value, "float32")
+
+    def test_feature_map_runs_in_the_accumulator_dtype(self):
+        # Under mixed precision, a callable map gets float32 queries and
+        # keys, one step (recurrent) or many (chunkwise), not the
+        # projections' bfloat16.
+        seen = []
+
+        def feature_map(x):
+            seen.append(backend.standardize_dtype(x.dtype))
+            return ops.softplus(x)
+
+        layer = _layer(
+            causal=True, feature_map=feature_map, dtype="mixed_bfloat16"
+        )
+        for length in (1, 9):
+            layer(_inputs((BATCH, length, INPUT_DIM)))
+        self.assertEqual(set(seen), {"float32"})
+
+    def test_hedgehog_kernel_constraint_per_head(self):
+        # As on the dense kernels, whose first axis is the input axis:
+        # unit columns along key_dim, for each head (here only one, so
+        # that a constraint along the heads axis would make every entry
+        # +-1) and feature.
+        layer = _layer(
+            num_heads=4,
+            num_key_value_heads=1,
+            feature_map="hedgehog",
+            kernel_constraint="unit_norm",
+        )
+        kernel = layer.feature_map_kernel
+        constrained = backend.convert_to_numpy(kernel.constraint(kernel.value))
+        _assert_close(
+            np.linalg.norm(constrained, axis=1),
+            np.ones((kernel.shape[0], kernel.shape[2])),
+            FLOAT32_RTOL,
+        )
+
+    def test_favor_plus_seed_forms(self):
+        # Beyond the unit test's `test_favor_plus_random_features`.
+        layer = _layer(feature_map="favor_plus", num_features=8, seed=1)
+        features = backend.convert_to_numpy(layer.random_features)
+        numpy_seed = _layer(
+            feature_map="favor_plus", num_features=8, seed=np.int64(1)
+        )
+        self.assertAllEqual(numpy_seed.random_features, features)
+        self.assertIs(type(numpy_seed.get_config()["seed"]), int)
+        # Two unseeded layers after one reset of the global seed differ.
+        rng_utils.set_random_seed(11)
+        first = _layer(feature_map="favor_plus", seed=None)
+        second = _layer(feature_map="favor_plus", seed=None)
+        self.assertNotAllClose(first.random_features, second.random_features)
+        # Without a seed, each redraw draws new features (not the layer's
+        # seed again).
+        layer.redraw_random_features()
+        redrawn = backend.convert_to_numpy(layer.random_features)
+        layer.redraw_random_features()
+        self.assertNotAllClose(layer.random_features, redrawn)
+        self.assertNotAllClose(redrawn, features)
+
+    # Dropout, quantization and mixed precision.
+
+    def test_dropout_drops_head_outputs_before_the_projection(self):
+        # Dropout acts on the heads' outputs, before the output projection
+        # (as in MultiHeadAttention), at the configured rate, scaling what
+        # it keeps by 1 / (1 - rate). With 2 heads of 4 values and no bias,
+        # the output kernel is a square 8x8 matrix: undoing it recovers the
+        # head outputs, each 0 or the reference's scaled.
+        rate = 0.25
+        layer = _layer(causal=True, dropout=rate, value_dim=4, use_bias=False)
+        x = _inputs()
+        # Orthogonal, so that undoing it is exact up to rounding (a random
+        # kernel may be ill-conditioned).
+        kernel, _ = np.linalg.qr(
+            np.random.RandomState(5).normal(size=(INPUT_DIM, INPUT_DIM))
+        )
+        kernel = kernel.astype("float32").astype("float64")
+        layer.output_dense.kernel.assign(
+            kernel.reshape(NUM_HEADS, 4, INPUT_DIM).astype("float32")
+        )
+
+        def heads(outputs):
+            outputs = np.asarray(outputs, "float64").reshape(-1, INPUT_DIM)
+            return np.linalg.solve(kernel.T, outputs.T).T
+
+        expected = heads(_np_reference(layer, x)[0])
+        actual = heads(backend.convert_to_numpy(layer(x, training=True)))
+        kept = np.abs(actual) > DROPOUT_RECOVERY_RTOL * np.abs(expected).max()
+        self.assertAllClose(1 - kept.mean(), rate, atol=DROPOUT_FRACTION_ATOL)
+        _assert_close(
+            actual[kept], expected[kept] / (1 - rate), DROPOUT_RECOVERY_RTOL
+        )
+
+    @parameterized.named_parameters(("int8", "int8"), ("int4", "int4"))
+    def test_quantized_model_copies(self, mode):
+        # Beyond the unit test's `test_quantize`: saved again, copied with
+        # other layer names, rebuilt from the config, and the weights file.
+        x = _inputs()
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(build=False, causal=True)
+        model = models.Model(inputs, layer(inputs))
+        model.quantize(mode)
+        y = model(x)
+        # The layer's config carries the projections' policies (unlike
+        # MultiHeadAttention's), so that the model loads quantized, and
+        # saves again; also as a copy with other layer names.
+        path = os.path.join(self.get_temp_dir(), "quantized.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        self.assertEqual(loaded.layers[1].query_dense.quantization_mode, mode)
+        self.assertAllClose(loaded(x), y)
+        loaded.save(path)
+        self.assertAllClose(saving.load_model(path)(x), y)
+        renamed = cloning.clone_model(
+            model,
+            clone_function=lambda layer: layer.__class__.from_config(
+                {**layer.get_config(), "name": f"{layer.name}_copy"}
+            ),
+        )
+        renamed.set_weights(model.get_weights())
+        self.assertAllClose(renamed(x), y)
+        # The config holds constructor arguments only.
+        config = layer.get_config()
+        self.assertEqual(config, layer.get_config())
+        self.assertEqual(
+            sorted(config["projection_dtypes"]),
+            ["attention_output", "key", "query", "value"],
+        )
+        copy = LinearAttention(**config)
+        copy.build((None, None, INPUT_DIM))
+        copy.set_weights(layer.get_weights())
+        self.assertAllClose(copy(x), y)
+        # Weights load into a model quantized the same way.
+        path = os.path.join(self.get_temp_dir(), "quantized.weights.h5")
+        model.save_weights(path)
+        fresh = models.Model(inputs, _layer(build=False, causal=True)(inputs))
+        fresh.quantize(mode)
+        self.assertNotAllClose(fresh(x), y)
+        fresh.load_weights(path)
+        self.assertAllClose(fresh(x), y)
+
+    def test_dtype_policy_map_inside_a_model(self):
+        # Map entries are keyed by the layer's path, which is not its name
+        # inside another layer or model: "wrapper/attention/query" here.
+        policy_map = dtype_policies.DTypePolicyMap()
+        quantized = dtype_policies.QuantizedDTypePolicy("int8", "float32")
+        for name in ("query", "key", "value"):
+            policy_map[f"wrapper/attention/{name}"] = quantized
+
+        class Wrapper(models.Model):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.attention = _layer(
+                    build=False, causal=True, dtype=policy_map, name="attention"
+                )
+
+            def call(self, x):
+                return self.attention(x)
+
+        wrapper = Wrapper(name="wrapper")
+        y = wrapper(_inputs())
+        layer = wrapper.attention
+        self.assertEqual(layer.path, "wrapper/attention")
+        for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
+            self.assertDType(dense._kernel, "int8")
+        self.assertDType(layer.output_dense.kernel, "float32")
+        self.assertDType(y, "float32")
+
+    @parameterized.named_parameters(
+        ("float16", "float16"), ("bfloat16", "bfloat16")
+    )
+    def test_mixed_precision_state_passed_in_other_ways(self, dtype):
+        # Beyond the unit test's `test_mixed_precision_state_is_float32`:
+        # the state passed by position (with a mask), as variables (read
+        # outside the layer's autocast scope), and through a subclassed
+        # model that does not cast its arguments, is not rounded either.
+        layer = _layer(causal=True, dtype=f"mixed_{dtype}")
+        start = _state_near_1000(layer.get_initial_state(BATCH))
+        for length in (1, LENGTH):  # the recurrent and the parallel path
+            x = _inputs((BATCH, length, INPUT_DIM))
+            _, from_start = layer(x, initial_state=start, return_state=True)
+            _, by_position = layer(
+                x, np.ones((BATCH, length)), start, return_state=True
+            )
+            _, from_variables = layer(
+                x,
+                initial_state=tuple(
+                    backend.Variable(s, trainable=False) for s in start
+                ),
+                return_state=True,
+            )
+            wrapper = _StreamingModel(layer, dtype=layer.dtype_policy)
+            _, through_model = wrapper(x, start)
+            for other in (by_position, from_variables, through_model):
+                for actual, expected in zip(other, from_start):
+                    self.assertAllEqual(actual, expected)
+
+    def test_mixed_precision_state_in_subclass_without_training(self):
+        # `training`, which this `call` does not take, is dropped as
+        # upstream does; the state still reaches `call` unrounded.
+        class WithoutTraining(LinearAttention):
+            def call(self, inputs, initial_state=None, return_state=False):
+                return super().call(
+                    inputs,
+                    initial_state=initial_state,
+                    return_state=return_state,
+                )
+
+        layer = WithoutTraining(
+            NUM_HEADS, KEY_DIM, causal=True, dtype="mixed_bfloat16"
+        )
+        x = _inputs()
+        zeros = layer.get_initial_state(BATCH)
+        start = _state_near_1000(zeros)
+        _, from_zeros = layer(
+            x, initial_state=zeros, return_state=True, training=False
+        )
+        _, from_start = layer(
+            x, initial_state=start, return_state=True, training=False
+        )
+        for actual, base, expected in zip(from_start, from_zeros, start):
+            _assert_close(
+                backend.convert_to_numpy(actual)
+                - backend.convert_to_numpy(base),
+                expected,
+                FLOAT32_RTOL,
+            )
+
+    def test_functional_model_with_state_under_mixed_precision(self):
+        # The model's graph holds the layer's arguments as given (no casts
+        # of them): the mask from `Masking` reaches the layer with the
+        # state, and padding stays out of outputs and state.
+        layer = _layer(causal=True, dtype="mixed_bfloat16")
+        inputs = layers.Input((None, INPUT_DIM))
+        states = tuple(
+            layers.Input(tuple(s.shape[1:])) for s in layer.get_initial_state(1)
+        )
+        outputs, state = layer(
+            layers.Masking(0.0)(inputs),
+            initial_state=states,
+            return_state=True,
+        )
+        model = models.Model([inputs, *states], [outputs, *state])
+        self.assertEqual(
+            [type(op).__name__ for op in model.operations],
+            ["InputLayer", "Masking", "InputLayer", "InputLayer"]
+            + ["LinearAttention"],
+        )
+        x = _inputs()
+        x[1, 40:] = 0.0
+        start = tuple(
+            _inputs(tuple(s.shape), seed=3)
+            for s in layer.get_initial_state(BATCH)
+        )
+        y, *state = model([x, *start])
+        self.assertAllEqual(backend.convert_to_numpy(y)[1, 40:], 0.0)
+        # As the layer called directly with the mask (tested against the
+        # reference elsewhere); without it, 30 padded steps would add to
+        # the state.
+        expected, expected_state = layer(
+            x,
+            mask=np.any(x != 0, axis=-1),
+            initial_state=start,
+            return_state=True,
+        )
+        _assert_close(y, expected, FLOAT32_PARITY_RTOL)
+        for actual, reference in zip(state, expected_state):
+            _assert_close(actual, reference, FLOAT32_PARITY_RTOL)
+
+    # Numerical edge cases.
+
+    def test_float64_numerical_gradient(self):
+        with _float64_enabled():
+            for causal, extension in (
+                (False, None),
+                (True, None),
+                (True, "favor_plus"),
+                (True, "grouped_hedgehog"),
+            ):
+                layer = _layer(causal=causal, dtype="float64", config=extension)
+                # Causal: across a chunk edge, so that the gradients of the
+                # prefix over chunks are checked too.
+                length = layer._chunk_size + 3 if causal else 9
+                shape = (1, length, INPUT_DIM)
+                x = _inputs(shape, dtype="float64")
+                upstream = _inputs(shape, seed=2, dtype="float64")
+                analytic = _gradients(layer, x, upstream)[0]
+
+                # Central differences, every input element shifted in a
+                # batch of its own: one call for all of them (the examples
+                # of a batch are independent).
+                step = 1e-6
+                shifts = step * np.eye(x.size).reshape((x.size,) + shape[1:])
+                shifted = np.concatenate([x + shifts, x - shifts])
+                losses = np.sum(
+                    backend.convert_to_numpy(layer(shifted)) * upstream,
+                    axis=(1, 2),
+                )
+                numeric = (losses[: x.size] - losses[x.size :]) / (2 * step)
+                numeric = numeric.reshape(x.shape)
+                _assert_close(
+                    analytic, numeric, FINITE_DIFFERENCE_RTOL, extension
+                )
+
+    @pytest.mark.requires_trainable_backend
+    def test_long_sequence_half_precision_is_finite(self):
+        # FAVOR+ runs on inputs 4x larger, so that the exponents of its
+        # features are large too: no statistic over the sequence keeps them
+        # finite, only float32 features and the per-token query shift.
+        length = 16384
+        upstream = _inputs((1, length, 4), seed=1)
+        for dtype, kwargs in (
+            ("float16", {}),
+            ("bfloat16", {}),
+            ("float16", {"feature_map": "favor_plus", "num_features": 16}),
+            ("bfloat16", {"feature_map": "favor_plus", "num_features": 16}),
+        ):
+            scale = 4.0 if kwargs else 1.0
+            x = scale * _inputs((1, length, 4))
+            layer = LinearAttention(
+                1, 4, causal=True, dtype=f"mixed_{dtype}", seed=0, **kwargs
+            )
+            y, state = layer(x, return_state=True)
+            self.assertTrue(np.all(np.isfinite(backend.convert_to_numpy(y))))
+            for s in state:
+                self.assertTrue(
+                    np.all(np.isfinite(backend.convert_to_numpy(s)))
+                )
+            for gradient in _gradients(layer, x, upstream):
+                self.assertTrue(np.all(np.isfinite(gradient)), dtype)
+
+    def test_elu_plus_one_far_below_zero(self):
+        # Below about -17, elu(x) + 1 computed as expm1(x) + 1 rounds to 0
+        # in float32, where it is exp(x). Projections around -20 (features
+        # ~2e-9) and an epsilon far below the denominators: the outputs are
+        # weighted means of the values, as in the reference, not zero.
+        x = 0.1 * _inputs()
+        for causal in (False, True):
+            layer = _layer(causal=causal, normalization_epsilon=1e-30)
+            for dense in (layer.query_dense, layer.key_dense):
+                dense.bias.assign(np.full(dense.bias.shape, -20.0))
+            expected, _ = _np_reference(layer, x)
+            _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
+
+    @parameterized.named_parameters(
+        ("keys", ("key",)), ("queries_and_keys", ("query", "key"))
+    )
+    def test_favor_plus_large_exponents(self, projections):
+        # A random feature of squared norm 400, and keys (and queries) equal
+        # to it after the key_dim^(-1/4) scaling: exponents of
+        # |w|^2 / 2 = 200. Keys need the cap at 60 (inf features, nan
+        # outputs without it); queries at the cap need their per-token
+        # shift as well (features near exp(60) times keys near exp(60)
+        # overflow float32). The float64 reference caps and shifts too.
+        x = 0.1 * _inputs()
+        for causal in (False, True):
+            layer = _layer(
+                feature_map="favor_plus", num_features=8, causal=causal
+            )
+            features = backend.convert_to_numpy(layer.random_features)
+            column = features[:, 0] * 20.0 / np.linalg.norm(features[:, 0])
+            features[:, 0] = column
+            layer.random_features.assign(features)
+            bias = np.broadcast_to(column * KEY_DIM**0.25, (NUM_HEADS, KEY_DIM))
+            for name in projections:
+                getattr(layer, f"{name}_dense").bias.assign(bias)
+            y = backend.convert_to_numpy(layer(x))
+            self.assertTrue(np.all(np.isfinite(y)), msg=causal)
+            expected, _ = _np_reference(layer, x)
+            _assert_close(y, expected, FLOAT32_RTOL, msg=causal)
+
+    def test_near_zero_denominators_are_finite(self):
+        # relu of negative projections is 0, so features are epsilon and the
+        # denominator is ~epsilon^2: outputs and gradients must stay finite.
+        x = -np.abs(_inputs())
+        for causal in (False, True):
+            layer = LinearAttention(
+                2,
+                3,
+                causal=causal,
+                feature_map="relu",
+                kernel_initializer="ones",
+            )
+            y = backend.convert_to_numpy(layer(x))
+            self.assertTrue(np.all(np.isfinite(y)))
+            for gradient in _gradients(layer, x, _inputs(seed=1)):
+                self.assertTrue(np.all(np.isfinite(gradient)))
+
+    def test_favor_plus_approaches_softmax_attention(self):
+        # The layer's output against exact softmax attention (scaled by
+        # 1 / sqrt(key_dim)) computed here from the same projections, as the
+        # number of random features grows: mean absolute error relative to
+        # the mean absolute output, averaged over 8 seeds; 2 sequences of 16
+        # steps, 2 heads, key_dim 4, NumPy-drawn weights. Measured (the same
+        # on every backend up to float32 rounding):
+        #   num_features          16     64    256   1024   uniform attention
+        #   non-causal         0.326  0.204  0.109  0.077   0.399
+        #   causal             0.198  0.120  0.067  0.046   0.236
+        # Monte Carlo estimates converge like 1 / sqrt(num_features), and
+        # slower for larger logits: with inputs twice as large, non-causal
+        # errors are 0.73 -> 0.35 (uniform: 0.88).
+        x = 0.5 * _inputs((2, 16, INPUT_DIM))
+        dims = {"num_heads": 2, "key_dim": 4, "value_dim": 4}
+        base = _layer(**dims)
+        # NumPy weights, so that every backend measures the same numbers.
+        rng = np.random.RandomState(0)
+        for variable in base.weights:
+            scale = 0.1 if "bias" in variable.path else 0.4
+            variable.assign(scale * rng.normal(size=variable.shape))
+        weights = _np_weights(base)
+
+        def project(name):
+            kernel, bias = weights[f"{name}/kernel"], weights[f"{name}/bias"]
+            return (
+                np.einsum("btm,mhd->bthd", x.astype("float64"), kernel) + bias
+            )
+
+        query, key, value = project("query"), project("key"), project("value")
+        scores = np.einsum("bqhd,bkhd->bhqk", query, key) / 2.0
+        for causal in (False, True):
+            if causal:
+                scores = np.where(
+                    np.tril(np.ones((16, 16), bool)), scores, -np.inf
+                )
+            heads = np.einsum("bhqk,bkhe->bqhe", _np_softmax(scores), value)
+            exact = (
+                np.einsum(
+                    "bqhe,heo->bqo",
+                    heads,
+                    weights["attention_output/kernel"],
+                )
+                + weights["attention_output/bias"]
+            )
+            errors = []
+            for num_features in (16, 64, 256, 1024):
+                seed_errors = []
+                for seed in range(8):
+                    layer = _layer(
+                        causal=causal,
+                        feature_map="favor_plus",
+                        num_features=num_features,
+                        seed=seed,
+                        **dims,
+                    )
+                    for name in ("query", "key", "value", "output"):
+                        dense = f"_{name}_dense"
+                        getattr(layer, dense).set_weights(
+                            getattr(base, dense).get_weights()
+                        )
+                    y = backend.convert_to_numpy(layer(x))
+                    seed_errors.append(
+                        np.mean(np.abs(y - exact)) / np.mean(np.abs(exact))
+                    )
+                errors.append(float(np.mean(seed_errors)))
+            # The trivial approximation: uniform attention over the prefix.
+            uniform = (
+                np.cumsum(value, axis=1) / np.arange(1, 17)[:, None, None]
+                if causal
+                else np.mean(value, axis=1, keepdims=True)
+            )
+            uniform = (
+                np.einsum(
+                    "bqhe,heo->bqo",
+                    uniform,
+                    weights["attention_output/kernel"],
+                )
+                + weights["attention_output/bias"]
+            )
+            uniform_error = np.mean(np.abs(uniform - exact)) / np.mean(
+                np.abs(exact)
+            )
+            self.assertTrue(np.all(np.diff(errors) < 0), errors)
+            self.assertLess(errors[-1], 0.1, errors)
+            self.assertLess(errors[-1], uniform_error / 4, errors)
+
+    # Compiled and exported execution.
+
+    def test_export_with_dynamic_shapes(self):
+        # Symbolic sizes reach the zero state (the batch) and the padding to
+        # whole chunks (the length): neither is an integer nor a tensor.
+        # (TensorFlow's `None` sizes are tensors: see
+        # `test_compiled_dynamic_lengths`.)
+        layer = _layer(causal=True)
+        x = _inputs()
+        if backend.backend() == "jax":
+            import jax
+            from jax import export
+
+            batch, length = export.symbolic_shape("b, t")
+            exported = export.export(jax.jit(layer))(
+                jax.ShapeDtypeStruct((batch, length, INPUT_DIM), "float32")
+            )
+            for inputs in (x, x[:, :9]):
+                expected, _ = _np_reference(layer, inputs)
+                _assert_close(exported.call(inputs), expected, FLOAT32_RTOL)
+        elif backend.backend() == "torch":
+            import torch
+
+            class Module(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.attention = layer
+
+                def forward(self, x):
+                    return self.attention(x)
+
+            # Traced with batch 3 and the usual length, run with other
+            # batches and lengths: whole chunks, a partial one, and more
+            # than one block of the prefix over chunks. Sizes of 0 or 1
+            # while tracing are specialized (the padding to whole chunks
+            # was, so that only lengths with the traced one's padding ran).
+            exported = torch.export.export(
+                Module(),
+                (torch.from_numpy(np.concatenate([x, x[:1]])),),
+                dynamic_shapes=(
+                    {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},
+                ),
+            )
+            long_x = _inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
+            for inputs in (x, x[:1, :9], x[:, :64], long_x):
+                expected, _ = _np_reference(layer, inputs)
+                inputs = torch.from_numpy(np.ascontiguousarray(inputs))
+                _assert_close(exported.module()(inputs), expected, FLOAT32_RTOL)
+        else:
+            self.skipTest("TensorFlow: `None` sizes are tensors.")
+
+    @pytest.mark.skipif(
+        backend.backend() not in ("jax", "tensorflow"),
+        reason="`model.export()` to a SavedModel needs TensorFlow or JAX.",
+    )
+    def test_saved_model_export(self):
+        # A Functional model exported for serving, with unknown batch and
+        # length (on JAX, symbolic shapes through `jax2tf`).
+        import tensorflow as tf
+
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = _layer(build=False, causal=True)
+        model = models.Model(inputs, layer(inputs))
+        path = os.path.join(self.get_temp_dir(), "exported")
+        model.export(path, format="tf_saved_model", verbose=False)
+        served = tf.saved_model.load(path)
+        x = _inputs()
+        for inputs in (x, x[:1, :9]):
+            expected, _ = _np_reference(layer, inputs)
+            _assert_close(served.serve(inputs), expected, FLOAT32_RTOL)
+
+    @pytest.mark.requires_trainable_backend
+    def test_compiled_dynamic_lengths(self):
+        x = _inputs()
+        lengths = (LENGTH, 9)
+        if backend.backend() == "torch":
+            # `torch.compile` works, but compiling the causal layer costs
+            # ~50 s on a 2-core CPU and each new length recompiles: one
+            # length keeps the suite fast.
+            lengths = (LENGTH,)
+        for causal in (False, True):
+            inputs = layers.Input((None, INPUT_DIM))
+            layer = _layer(build=False, causal=causal)
+            model = models.Model(inputs, layer(inputs))
+            model.compile(jit_compile=True)
+            for length in lengths:
+                expected, _ = _np_reference(layer, x[:, :length])
+                _assert_close(
+                    model.predict(x[:, :length], verbose=0),
+                    expected,
+                    FLOAT32_RTOL,
+                )
+        if backend.backend() == "jax":
+            import jax
+
+            layer = _layer(causal=True)
+            trainable = [v.value for v in layer.trainable_variables]
+
+            @jax.jit
+            def step(x, state):
+                return layer.stateless_call(
+                    trainable, [], x, initial_state=state, return_state=True
+                )[0]
+
+            _, state = step(x[:, :1], layer.get_initial_state(BATCH))
+            expected, _ = _np_reference(layer, x[:, :2])
+            y, _ = step(x[:, 1:2], state)
+            _assert_close(y, expected[:, 1:2], FLOAT32_RTOL)
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            layer = _layer(causal=True)
+            function = tf.function(
+                lambda x: layer(x, return_state=True),
+                jit_compile=True,
+                input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
+            )
+            long_x = _inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
+            for inputs in (x, x[:, :9], long_x):
+                expected, _ = _np_reference(layer, inputs)
+                _assert_close(function(inputs)[0], expected, FLOAT32_RTOL)
+            # The scan over steps with a length unknown while tracing, also
+            # for an empty piece of a stream (whose outputs could not be
+            # stacked, nor compiled by XLA), from a carried state.
+            recurrent = _layer(causal=True, execution_mode="recurrent")
+            start = tuple(
+                _inputs(tuple(s.shape), seed=3)
+                for s in recurrent.get_initial_state(BATCH)
+            )
+            for jit_compile in (False, True):
+                function = tf.function(
+                    lambda x: recurrent(
+                        x, initial_state=start, return_state=True
+                    ),
+                    jit_compile=jit_compile,
+                    input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
+                )
+                y, state = function(x[:, :0])
+                self.assertEqual(tuple(y.shape), (BATCH, 0, INPUT_DIM))
+                for actual, expected in zip(state, start):
+                    self.assertAllEqual(actual, expected)
+                y, state = function(x[:, :9])
+                expected, expected_state = _np_reference(
+                    recurrent, x[:, :9], initial_state=start
+                )
+                _assert_close(y, expected, FLOAT32_RTOL)
+                for actual, expected in zip(state, expected_state):
+                    _assert_close(actual, expected, FLOAT32_RTOL)
+                # Gradients through the extra step, against eager ones.
+                upstream = _inputs(seed=5)[:, :9]
+
+                @tf.function(
+                    jit_compile=jit_compile,
+                    input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
+                )
+                def gradients(x):
+                    with tf.GradientTape() as tape:
+                        tape.watch(x)
+                        y = recurrent(x, initial_state=start)
+                        loss = tf.reduce_sum(y * upstream)
+                    return tape.gradient(loss, [x, recurrent._key_dense.kernel])
+
+                compiled = gradients(x[:, :9])
+                eager = _gradients(
+                    recurrent, x[:, :9], upstream, initial_state=start
+                )
+                _assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
+                _assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
+            # Gradients under XLA, through the scan over time steps and
+            # the prefix over chunks, against eager gradients.
+            upstream = _inputs(seed=5)
+            for mode in ("recurrent", "parallel"):
+                layer.execution_mode = mode
+
+                @tf.function(jit_compile=True)
+                def gradients(x):
+                    with tf.GradientTape() as tape:
+                        tape.watch(x)
+                        loss = tf.reduce_sum(layer(x) * upstream)
+                    return tape.gradient(loss, [x, layer._key_dense.kernel])
+
+                compiled = gradients(tf.constant(x))
+                eager = _gradients(layer, x, upstream)
+                _assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
+                _assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
+
+    @pytest.mark.skipif(
+        backend.backend() != "torch", reason="`torch.compile` guards"
+    )
+    def test_torch_compile_does_not_recompile_each_call(self):
+        # `ops.pad` names a new `Operation` on each call; `torch.compile`
+        # guarded on the global name counter and compiled every call again
+        # (4.6 s per call at T=1000 instead of 22 ms). A counting backend
+        # traces without compiling kernels, which keeps the test fast.
+        import torch
+
+        graphs = []
+
+        def counting_backend(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        x = _inputs()[:, :9]  # not a whole number of chunks: padded
+        layer = _layer(causal=True)
+        compiled = torch.compile(layer, backend=counting_backend)
+        expected, _ = _np_reference(layer, x)
+        x = torch.as_tensor(x)
+        # Upstream's first call compiles twice (Keras sets a global call
+        # context attribute during it); later calls must reuse that.
+        for _ in range(2):
+            compiled(x)
+        compiled_graphs = len(graphs)
+        for _ in range(3):
+            _assert_close(compiled(x), expected, FLOAT32_RTOL)
+        self.assertLen(graphs, compiled_graphs)
