@@ -10,7 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from linear_attention import cases
+from linear_attention import config
 from linear_attention import decode
 from linear_attention import targets
 
@@ -24,6 +26,10 @@ SCRIPT = os.path.join(
 
 
 class LinearAttentionBenchmarkTest(testing.TestCase):
+    @pytest.mark.skipif(
+        backend.backend() not in config.BACKENDS,
+        reason="The benchmark compares the training backends.",
+    )
     def test_smoke_run_writes_table_csv_json_and_plot(self):
         out = self.get_temp_dir()
         result = subprocess.run(
