@@ -1,6 +1,8 @@
 """The plot of one backend's results: time, memory and decode latency."""
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator
+from matplotlib.ticker import NullLocator
 
 TIME_STYLES = (
     ("auto", "o-"),
@@ -36,8 +38,23 @@ def plot(results, path):
         f"malloc: {malloc}",
         fontsize="medium",
     )
+    for axis in axes:
+        _label_measured_points(axis)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
+
+
+def _label_measured_points(axis):
+    """x ticks at the measured lengths or positions only, as integers.
+
+    Log axes spanning under two decades otherwise label their minor ticks,
+    which overlap.
+    """
+    xs = sorted({x for line in axis.get_lines() for x in line.get_xdata()})
+    if xs:
+        axis.xaxis.set_major_locator(FixedLocator(xs))
+        axis.xaxis.set_minor_locator(NullLocator())
+        axis.set_xticklabels([f"{x:g}" for x in xs])
 
 
 def _plot_times(axis, rows):
