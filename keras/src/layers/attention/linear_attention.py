@@ -89,6 +89,10 @@ class LinearAttention(Layer):
         num_features: Number of features of `"favor_plus"` (defaults to
             `4 * key_dim`) and `"hedgehog"` (even; defaults to
             `2 * key_dim`). The other maps have `key_dim` features.
+        local_window: Optional positive integer `W`: exact softmax over the
+            positions closer than `W` (causal: the last `W`, itself
+            included), the feature map beyond, weighted by a trainable
+            `far_log_scale` per head, under one normalizer.
         projection_dtypes: Optional dict from projection names to dtype
             policies, written by `get_config()` for quantized projections.
 
@@ -112,7 +116,12 @@ class LinearAttention(Layer):
             key_state)` of shapes `(batch_size, num_key_value_heads,
             features, value_dim)` and `(batch_size, num_key_value_heads,
             features)`, or `(key_value_state,)` without the normalizer;
-            `features` is `num_features` or `key_dim`.
+            `features` is `num_features` or `key_dim`. With `local_window`,
+            followed by `window_keys`, `window_values` and `window_valid`,
+            the projected keys and values of the last `W` positions and
+            whether each is unmasked, of shapes `(batch_size,
+            num_key_value_heads, W, key_dim)`, `(batch_size,
+            num_key_value_heads, W, value_dim)` and `(batch_size, W)`.
 
     Examples:
 
@@ -148,6 +157,14 @@ class LinearAttention(Layer):
     ... )
     >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
     [(3, 2, 64, 4), (3, 2, 64)]
+
+    Hybrid attention, exact softmax over the last 4 positions:
+
+    >>> layer = keras.layers.LinearAttention(
+    ...     num_heads=2, key_dim=4, causal=True, local_window=4
+    ... )
+    >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
+    [(3, 2, 4, 4), (3, 2, 4), (3, 2, 4, 4), (3, 2, 4, 4), (3, 4)]
     """
 
     # Chunk length of the causal "parallel" algorithm.
@@ -176,6 +193,7 @@ class LinearAttention(Layer):
         seed=None,
         num_key_value_heads=None,
         num_features=None,
+        local_window=None,
         projection_dtypes=None,
         **kwargs,
     ):
@@ -261,6 +279,18 @@ class LinearAttention(Layer):
             )
         self.num_features = num_features
         self.use_normalizer = _boolean("use_normalizer", use_normalizer)
+        self.local_window = (
+            None
+            if local_window is None
+            else _positive_int("local_window", local_window)
+        )
+        if self.local_window is not None and not self.use_normalizer:
+            raise ValueError(
+                "`local_window` needs `use_normalizer=True`: the window's "
+                "softmax and the linear part share one normalizer. "
+                f"Received: local_window={local_window}, "
+                f"use_normalizer={use_normalizer}"
+            )
         if not self.use_normalizer and self.compute_dtype == "float16":
             warnings.warn(
                 "`LinearAttention` with `use_normalizer=False` and a float16 "
@@ -418,6 +448,13 @@ class LinearAttention(Layer):
                 ),
                 autocast=False,
             )
+        if self.local_window is not None:
+            self.far_log_scale = self.add_weight(
+                name="far_log_scale",
+                shape=(heads,),
+                initializer="zeros",
+                autocast=False,
+            )
         self._dropout_layer = None
         if self.dropout > 0:
             self._dropout_layer = Dropout(
@@ -561,10 +598,21 @@ class LinearAttention(Layer):
         shapes = [(heads, features, self.value_dim)]
         if self.use_normalizer:
             shapes.append((heads, features))
+        if self.local_window is not None:
+            window = self.local_window
+            shapes += [
+                (heads, window, self.key_dim),
+                (heads, window, self.value_dim),
+                (window,),
+            ]
         return tuple(shapes)
 
     def _feature(self, x, is_query):
-        """`phi` of `(batch, time, heads, key_dim)` queries or keys."""
+        """`phi` of `(batch, time, heads, key_dim)` queries or keys.
+
+        Returns the features and the log of a factor per token divided out
+        of them, `(batch, time, heads)`, or `None`.
+        """
         if self.feature_map == "favor_plus":
             # exp(w . x - |x|^2 / 2) / sqrt(m) of x / key_dim**0.25, so that
             # phi(q) . phi(k) estimates exp(q . k / sqrt(key_dim)).
@@ -574,32 +622,37 @@ class LinearAttention(Layer):
             exponent = exponent - 0.5 * ops.sum(
                 ops.square(x), axis=-1, keepdims=True
             )
+            log_scale = None
             if is_query and self.use_normalizer and 0 not in x.shape:
                 # A factor per query token cancels in the normalized ratio
                 # and keeps exp() finite; per token, so that chunked runs
                 # agree. `max` of an empty tensor fails on some backends.
-                exponent = exponent - ops.max(exponent, axis=-1, keepdims=True)
+                log_scale = ops.max(exponent, axis=-1, keepdims=True)
+                exponent = exponent - log_scale
+                log_scale = log_scale[..., 0]
             # min(exponent, cap) per element, never by a statistic over the
             # sequence, which would break chunked runs.
             exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
-            return ops.exp(exponent) * self.num_features**-0.5
+            return ops.exp(exponent) * self.num_features**-0.5, log_scale
         if self.feature_map == "hedgehog":
             kernel = ops.cast(self.feature_map_kernel, x.dtype)
             if is_query:
                 kernel = ops.repeat(kernel, self._group_size, axis=0)
             x = ops.einsum("bthd,hdf->bthf", x, kernel)
-            return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
-        if self.feature_map == "elu_plus_one":
+            features = ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
+        elif self.feature_map == "elu_plus_one":
             # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
             # far below zero, where `expm1(x) + 1` rounds to 0.
             positive = ops.relu(x)
-            return ops.exp(x - positive) + positive
-        if self.feature_map == "relu":
-            return ops.relu(x) + self.normalization_epsilon
-        features = self.feature_map(x)
-        self._check_features(features, x)
-        # A `Layer` map computes in its own dtype policy.
-        return ops.cast(features, x.dtype)
+            features = ops.exp(x - positive) + positive
+        elif self.feature_map == "relu":
+            features = ops.relu(x) + self.normalization_epsilon
+        else:
+            features = self.feature_map(x)
+            self._check_features(features, x)
+            # A `Layer` map computes in its own dtype policy.
+            features = ops.cast(features, x.dtype)
+        return features, None
 
     def _check_features(self, features, x):
         """Refuses features that the products or the state cannot take.
@@ -703,47 +756,55 @@ class LinearAttention(Layer):
             # would carry into the weights.
             inputs = ops.where(mask[:, :, None], inputs, ops.zeros_like(inputs))
         dtype = self.accumulator_dtype
-        # (batch, time, heads, features or value_dim) in the accumulator
+        # (batch, time, heads, key_dim or value_dim) in the accumulator
         # dtype; keys and values have `num_key_value_heads` heads.
-        query = self._feature(
-            ops.cast(self._query_dense(inputs), dtype), is_query=True
-        )
-        key = self._feature(
-            ops.cast(self._key_dense(inputs), dtype), is_query=False
-        )
+        query = ops.cast(self._query_dense(inputs), dtype)
+        key = ops.cast(self._key_dense(inputs), dtype)
         value = ops.cast(self._value_dense(inputs), dtype)
+        valid = None
         if mask is not None:
-            # After the feature map, which is not zero at zero; the values
-            # too, so that no product can bring masked steps back.
-            step_mask = mask[:, :, None, None]
-            key = ops.where(step_mask, key, ops.zeros_like(key))
-            value = ops.where(step_mask, value, ops.zeros_like(value))
+            # The values too, so that no product can bring masked steps
+            # back.
+            valid = ops.cast(mask, dtype)
+            value = ops.where(
+                mask[:, :, None, None], value, ops.zeros_like(value)
+            )
 
-        if not self.causal:
-            outputs = self._non_causal(query, key, value)
-            state = None
-        else:
+        state = None
+        if self.causal:
             if initial_state is None:
                 initial_state = self._zero_state(ops.shape(inputs)[0])
             else:
                 initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
-            if 0 in inputs.shape[:2]:
-                # An empty piece of a stream passes the state through; an
-                # empty batch has no chunks to count.
-                outputs = ops.zeros(
-                    tuple(ops.shape(inputs)[:2])
-                    + (self.num_heads, self.value_dim),
-                    dtype,
+            state = initial_state
+        if 0 in inputs.shape[:2]:
+            # An empty piece of a stream passes the state through; an empty
+            # batch has no chunks to count.
+            outputs = ops.zeros(
+                tuple(ops.shape(inputs)[:2]) + (self.num_heads, self.value_dim),
+                dtype,
+            )
+        elif self.local_window is not None:
+            outputs, state = self._hybrid(query, key, value, valid, state)
+        else:
+            query = self._feature(query, is_query=True)[0]
+            key = self._feature(key, is_query=False)[0]
+            if mask is not None:
+                # After the feature map, which is not zero at zero.
+                key = ops.where(
+                    mask[:, :, None, None], key, ops.zeros_like(key)
                 )
-                state = initial_state
-            elif self._use_recurrent(inputs):
+            if not self.causal:
+                outputs = self._non_causal(query, key, value)
+            elif self._use_recurrent(query):
                 outputs, state = self._recurrent(
-                    query, key, value, initial_state
+                    self._plain_step, state, (query, key, value)
                 )
             else:
-                outputs, state = self._parallel(
-                    query, key, value, initial_state
+                (numerator, denominator), state = self._parallel(
+                    query, key, value, state
                 )
+                outputs = self._readout(numerator, denominator)
         if mask is not None:
             # Nothing computed at padding reaches the output projection,
             # e.g. the input statistics that GPTQ quantization collects.
@@ -808,66 +869,106 @@ class LinearAttention(Layer):
             denominator = ops.einsum("btkgd,bkd->btkg", query, key_sum)
         return self._merge_heads(self._readout(numerator, denominator))
 
-    def _recurrent(self, query, key, value, initial_state):
-        """The reference: one state update and readout per time step."""
+    def _linear_step(self, state, query_t, key_t, value_t):
+        """One step of the recurrence, from features of one time step.
 
-        def step(state, step_inputs):
-            query_t, key_t, value_t = step_inputs
-            query_t = self._split_heads(query_t)
-            key_value = state[0] + ops.einsum("bkd,bke->bkde", key_t, value_t)
-            numerator = ops.einsum("bkgd,bkde->bkge", query_t, key_value)
-            if not self.use_normalizer:
-                return (key_value,), self._merge_heads(numerator)
-            key_sum = state[1] + key_t
-            denominator = ops.einsum("bkgd,bkd->bkg", query_t, key_sum)
-            outputs = self._readout(numerator, denominator)
-            return (key_value, key_sum), self._merge_heads(outputs)
+        Returns the state after step `t` and the numerator and denominator
+        of query `t`, per key/value head and query head in its group.
+        """
+        query_t = self._split_heads(query_t)
+        key_value = state[0] + ops.einsum("bkd,bke->bkde", key_t, value_t)
+        numerator = ops.einsum("bkgd,bkde->bkge", query_t, key_value)
+        if not self.use_normalizer:
+            return (key_value,), numerator, None
+        key_sum = state[1] + key_t
+        denominator = ops.einsum("bkgd,bkd->bkg", query_t, key_sum)
+        return (key_value, key_sum), numerator, denominator
 
-        if query.shape[1] == 1:
+    def _plain_step(self, state, step_inputs):
+        state, numerator, denominator = self._linear_step(state, *step_inputs)
+        return state, self._merge_heads(self._readout(numerator, denominator))
+
+    def _recurrent(self, step, initial_state, sequences):
+        """The reference: `step(state, inputs_t)` for each time step.
+
+        `sequences` are `(batch, time, ...)`; returns the stacked per-step
+        outputs and the last state.
+        """
+        if sequences[0].shape[1] == 1:
             # A decoding step needs no loop, which eager JAX would compile
             # again on every call.
             state, outputs = step(
-                initial_state, (query[:, 0], key[:, 0], value[:, 0])
+                initial_state, tuple(x[:, 0] for x in sequences)
             )
             return outputs[:, None], state
-        # Time-major for the scan: (time, batch, heads, features).
-        sequences = tuple(
-            ops.transpose(x, (1, 0, 2, 3)) for x in (query, key, value)
+
+        def swap_batch_and_time(x):
+            return ops.transpose(x, (1, 0) + tuple(range(2, len(x.shape))))
+
+        state, outputs = _scan(
+            step,
+            initial_state,
+            tuple(swap_batch_and_time(x) for x in sequences),
         )
-        state, outputs = _scan(step, initial_state, sequences)
-        return ops.transpose(outputs, (1, 0, 2, 3)), state
+        return swap_batch_and_time(outputs), state
+
+    def _to_chunks(self, x, group):
+        """`(b, t, heads, f)` -> `(b * kv heads * chunks, g * c, f)`.
+
+        Zero steps pad `x` to whole chunks. Each row block is one chunk of
+        one key/value head, with the query heads that share it stacked
+        along the rows, so that every product is one batched matrix product.
+        """
+        chunk = self._chunk_size
+        x = _append_zeros(x, _padding(ops.shape(x)[1], chunk))
+        shape = ops.shape(x)
+        x = ops.reshape(
+            x,
+            (shape[0], -1, chunk, self.num_key_value_heads, group, shape[-1]),
+        )
+        x = ops.transpose(x, (0, 3, 1, 4, 2, 5))
+        return ops.reshape(x, (-1, group * chunk, shape[-1]))
+
+    def _from_chunks(self, x, batch, length):
+        """`(b * kv heads * chunks, g * c, f)` -> `(b, t, heads, f)`."""
+        features = ops.shape(x)[-1]
+        x = ops.reshape(
+            x,
+            (
+                batch,
+                self.num_key_value_heads,
+                -1,
+                self._group_size,
+                self._chunk_size,
+                features,
+            ),
+        )
+        x = ops.transpose(x, (0, 2, 4, 1, 3, 5))
+        x = ops.reshape(x, (batch, -1, self.num_heads, features))
+        padding = _padding(length, self._chunk_size)
+        if not isinstance(padding, int) or padding:
+            x = x[:, :length]
+        return x
 
     def _parallel(self, query, key, value, initial_state):
-        """The chunkwise form of `_recurrent`."""
-        chunk, group = self._chunk_size, self._group_size
+        """The chunkwise form of `_recurrent` with `_linear_step`.
+
+        Returns the numerators and denominators of the queries, as
+        `(batch, time, heads, value_dim)` and `(batch, time, heads)`
+        (`None` without the normalizer), and the last state.
+        """
         batch, length = ops.shape(query)[:2]
         # Zero keys and values pad to whole chunks without changing the
         # state; their outputs are cut.
-        padding = _padding(length, chunk)
-
-        def to_chunks(x, group):
-            """`(b, t, heads, f)` -> `(b * kv heads * chunks, g * c, f)`.
-
-            Each row block is one chunk of one key/value head, with the
-            query heads that share it stacked along the rows, so that every
-            product below is one batched matrix product.
-            """
-            x = _append_zeros(x, padding)
-            features = ops.shape(x)[-1]
-            x = ops.reshape(
-                x,
-                (batch, -1, chunk, self.num_key_value_heads, group, features),
-            )
-            x = ops.transpose(x, (0, 3, 1, 4, 2, 5))
-            return ops.reshape(x, (-1, group * chunk, features))
-
-        query = to_chunks(query, group)
-        key, value = to_chunks(key, 1), to_chunks(value, 1)
+        query = self._to_chunks(query, self._group_size)
+        key, value = self._to_chunks(key, 1), self._to_chunks(value, 1)
         # Inside a chunk: attention of step c to steps s <= c.
         scores = ops.einsum("xcd,xsd->xcs", query, key)
         shape = ops.shape(scores)
+        chunk = self._chunk_size
         scores = ops.reshape(
-            ops.tril(ops.reshape(scores, (-1, group, chunk, chunk))), shape
+            ops.tril(ops.reshape(scores, (-1, self._group_size, chunk, chunk))),
+            shape,
         )
         numerator = ops.einsum("xcs,xse->xce", scores, value)
 
@@ -894,23 +995,225 @@ class LinearAttention(Layer):
         )
         entering = tuple(per_row_block(x) for x in entering)
         numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
+        numerator = self._from_chunks(numerator, batch, length)
         denominator = None
         if self.use_normalizer:
             denominator = ops.sum(scores, axis=-1) + ops.einsum(
                 "xcd,xd->xc", query, entering[1]
             )
-        outputs = self._readout(numerator, denominator)
-        outputs = ops.reshape(
-            outputs,
-            (batch, self.num_key_value_heads, -1, group, chunk, self.value_dim),
+            denominator = self._from_chunks(
+                denominator[..., None], batch, length
+            )
+            denominator = denominator[..., 0]
+        return (numerator, denominator), state
+
+    def _hybrid(self, query, key, value, valid, state):
+        """Softmax over the last `local_window` steps, linear beyond them.
+
+        `query` and `key` are projected, before the feature map; `valid`
+        is the `(batch, time)` mask as 0/1 or `None`. Both parts share the
+        softmax's normalizer: the far part, `phi(q) . S` and `phi(q) . z`
+        over the steps that left the window, is weighted by
+        `exp(far_log_scale)` against the window's `exp(q . k / sqrt(d))`.
+        """
+        window = self.local_window
+        batch, length = ops.shape(query)[:2]
+        dtype = query.dtype
+        if valid is None:
+            valid = ops.ones((batch, length), dtype)
+        query_features, log_scale = self._feature(query, is_query=True)
+        # The far part's log-weight per query: its own scale, and the factor
+        # taken out of FAVOR+ query features, which the window does not
+        # share.
+        far_bias = ops.cast(self.far_log_scale, dtype)
+        if log_scale is not None:
+            far_bias = far_bias + log_scale
+        else:
+            far_bias = ops.broadcast_to(far_bias, ops.shape(query)[:3])
+        query = query * self.key_dim**-0.5
+
+        def with_window(prefix, x):
+            return ops.concatenate([prefix, x], axis=1)
+
+        if self.causal:
+            # The carried window precedes the new steps.
+            window_keys, window_values = (
+                ops.transpose(x, (0, 2, 1, 3)) for x in state[2:4]
+            )
+            window_valid = state[4]
+        else:
+            # Nothing before the first step.
+            window_keys = ops.zeros(
+                (batch, window) + tuple(key.shape[2:]), dtype
+            )
+            window_values = ops.zeros(
+                (batch, window) + tuple(value.shape[2:]), dtype
+            )
+            window_valid = ops.zeros((batch, window), dtype)
+        keys = with_window(window_keys, key)
+        values = with_window(window_values, value)
+        valids = with_window(window_valid, valid)
+
+        def delayed(keys, values, valids):
+            """Feature-mapped keys and values `local_window` steps back."""
+            features = self._feature(keys[:, :length], is_query=False)[0]
+            return (
+                features * ops.expand_dims(valids[:, :length], (2, 3)),
+                values[:, :length],
+            )
+
+        if self.causal and self._use_recurrent(query):
+            step_inputs = (query, query_features, far_bias, key, value, valid)
+            step_inputs += delayed(keys, values, valids)
+            initial = tuple(state[:2]) + (
+                window_keys,
+                window_values,
+                window_valid,
+            )
+            outputs, far_state = self._recurrent(
+                self._hybrid_step, initial, step_inputs
+            )
+            far_state = far_state[:2]
+        else:
+            span = window if self.causal else 2 * window - 1
+            numerator, denominator, maximum = self._window_parallel(
+                query, keys, values, valids, span
+            )
+            query_features = (
+                query_features * ops.exp(far_bias - maximum)[..., None]
+            )
+            far_state = (
+                state[:2] if self.causal else self._zero_state(batch)[:2]
+            )
+            (far_numerator, far_denominator), far_state = self._parallel(
+                query_features, *delayed(keys, values, valids), far_state
+            )
+            numerator = numerator + far_numerator
+            denominator = denominator + far_denominator
+            if not self.causal:
+                # The keys at least `local_window` steps after each query:
+                # the same on the reversed sequence.
+                def reverse(x):
+                    return ops.flip(x, axis=1)
+
+                (far_numerator, far_denominator), _ = self._parallel(
+                    reverse(query_features),
+                    *delayed(
+                        with_window(window_keys, reverse(key)),
+                        with_window(window_values, reverse(value)),
+                        with_window(window_valid, reverse(valid)),
+                    ),
+                    self._zero_state(batch)[:2],
+                )
+                numerator = numerator + reverse(far_numerator)
+                denominator = denominator + reverse(far_denominator)
+            outputs = self._readout(numerator, denominator)
+        if not self.causal:
+            return outputs, None
+        state = tuple(far_state) + (
+            ops.transpose(keys[:, -window:], (0, 2, 1, 3)),
+            ops.transpose(values[:, -window:], (0, 2, 1, 3)),
+            valids[:, -window:],
         )
-        outputs = ops.transpose(outputs, (0, 2, 4, 1, 3, 5))
-        outputs = ops.reshape(
-            outputs, (batch, -1, self.num_heads, self.value_dim)
-        )
-        if not isinstance(padding, int) or padding:
-            outputs = outputs[:, :length]
         return outputs, state
+
+    def _hybrid_step(self, state, step_inputs):
+        """One step of `_hybrid`, with the window as a ring buffer."""
+        key_value, key_sum, window_keys, window_values, window_valid = state
+        query, query_features, far_bias, key, value, valid = step_inputs[:6]
+
+        def push(window, x):
+            """Drops the oldest step of `window` and appends `x`."""
+            return ops.concatenate([window[:, 1:], x[:, None]], axis=1)
+
+        window_keys = push(window_keys, key)
+        window_values = push(window_values, value)
+        window_valid = push(window_valid, valid)
+        scores = ops.einsum(
+            "bkgd,bwkd->bkgw", self._split_heads(query), window_keys
+        )
+        scores = ops.where(
+            window_valid[:, None, None, :] > 0, scores, -math.inf
+        )
+        # The softmax's stabilizer, at least 0 so that a window of low
+        # scores cannot scale the far part up.
+        maximum = ops.relu(ops.max(scores, axis=-1))
+        weights = ops.exp(scores - maximum[..., None])
+        numerator = ops.einsum("bkgw,bwke->bkge", weights, window_values)
+        denominator = ops.sum(weights, axis=-1)
+        far_weight = ops.exp(
+            far_bias - self._merge_heads(maximum[..., None])[..., 0]
+        )
+        (key_value, key_sum), far_numerator, far_denominator = (
+            self._linear_step(
+                (key_value, key_sum),
+                query_features * far_weight[..., None],
+                *step_inputs[6:],
+            )
+        )
+        outputs = self._readout(
+            numerator + far_numerator, denominator + far_denominator
+        )
+        state = (key_value, key_sum, window_keys, window_values, window_valid)
+        return state, self._merge_heads(outputs)
+
+    def _window_parallel(self, query, keys, values, valids, span):
+        """The window part of `_hybrid`, chunkwise.
+
+        Step `t` of `query` attends to steps `t + 1` to `t + span` of
+        `keys`, `values` and `valids`, which begin `local_window` steps
+        before `query`. Returns the numerators, denominators and softmax
+        stabilizers, `(batch, time, heads, ...)`.
+        """
+        chunk, group = self._chunk_size, self._group_size
+        batch, length = ops.shape(query)[:2]
+        # Each query chunk reads this many key chunks, from its own on.
+        blocks = (chunk - 1 + span) // chunk + 1
+        padding = _padding(length, chunk) + (
+            (blocks - 1) * chunk - self.local_window
+        )
+
+        def to_blocks(x):
+            """`(b, w + t, ...)` -> `(b, chunks, blocks * c, ...)`."""
+            x = _append_zeros(x, padding)
+            shape = ops.shape(x)
+            x = ops.reshape(x, (batch, -1, chunk) + tuple(shape[2:]))
+            return ops.concatenate(
+                [x[:, i : i + 1 - blocks or None] for i in range(blocks)],
+                axis=2,
+            )
+
+        def to_row_blocks(x):
+            x = ops.transpose(to_blocks(x), (0, 3, 1, 2, 4))
+            return ops.reshape(x, (-1, blocks * chunk, ops.shape(x)[-1]))
+
+        query = self._to_chunks(query, group)
+        scores = ops.einsum("xcd,xsd->xcs", query, to_row_blocks(keys))
+        scores = ops.reshape(
+            scores,
+            (batch, self.num_key_value_heads, -1, group, chunk, blocks * chunk),
+        )
+        # Query c of a chunk and key s of its blocks are steps c and
+        # s - local_window of the chunk.
+        offset = ops.arange(blocks * chunk)[None] - ops.arange(chunk)[:, None]
+        band = ops.logical_and(offset > 0, offset <= span)
+        allowed = ops.logical_and(
+            band, to_blocks(valids)[:, None, :, None, None, :] > 0
+        )
+        scores = ops.where(allowed, scores, -math.inf)
+        # The softmax's stabilizer, at least 0 so that a window of low
+        # scores cannot scale the far part up.
+        maximum = ops.relu(ops.max(scores, axis=-1))
+        weights = ops.exp(scores - maximum[..., None])
+        weights = ops.reshape(weights, (-1, group * chunk, blocks * chunk))
+        numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
+        denominator = ops.sum(weights, axis=-1, keepdims=True)
+        maximum = ops.reshape(maximum, (-1, group * chunk, 1))
+        return (
+            self._from_chunks(numerator, batch, length),
+            self._from_chunks(denominator, batch, length)[..., 0],
+            self._from_chunks(maximum, batch, length)[..., 0],
+        )
 
     def _check_call_arguments(self, inputs, initial_state, return_state):
         if isinstance(inputs, (list, tuple, dict)):
@@ -939,7 +1242,13 @@ class LinearAttention(Layer):
 
     def _check_state(self, state, batch_size):
         shapes = self._state_shapes()
-        names = ("key_value_state", "key_state")[: len(shapes)]
+        names = (
+            "key_value_state",
+            "key_state",
+            "window_keys",
+            "window_values",
+            "window_valid",
+        )[: len(shapes)]
         expected = ", ".join(
             f"{name} (batch_size,) + {shape}"
             for name, shape in zip(names, shapes)
@@ -1057,6 +1366,7 @@ class LinearAttention(Layer):
             "seed": self.seed,
             "num_key_value_heads": self.num_key_value_heads,
             "num_features": self.num_features,
+            "local_window": self.local_window,
         }
         projection_dtypes = self._changed_projection_dtypes()
         if projection_dtypes:
