@@ -995,17 +995,19 @@ class LinearAttention(Layer):
         )
         entering = tuple(per_row_block(x) for x in entering)
         numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
-        numerator = self._from_chunks(numerator, batch, length)
-        denominator = None
-        if self.use_normalizer:
-            denominator = ops.sum(scores, axis=-1) + ops.einsum(
-                "xcd,xd->xc", query, entering[1]
-            )
-            denominator = self._from_chunks(
-                denominator[..., None], batch, length
-            )
-            denominator = denominator[..., 0]
-        return (numerator, denominator), state
+        if not self.use_normalizer:
+            return (self._from_chunks(numerator, batch, length), None), state
+        denominator = ops.sum(scores, axis=-1) + ops.einsum(
+            "xcd,xd->xc", query, entering[1]
+        )
+        # Rearranged together: a tensor of one feature would make PyTorch's
+        # export specialize the length.
+        outputs = self._from_chunks(
+            ops.concatenate([numerator, denominator[..., None]], axis=-1),
+            batch,
+            length,
+        )
+        return (outputs[..., :-1], outputs[..., -1]), state
 
     def _hybrid(self, query, key, value, valid, state):
         """Softmax over the last `local_window` steps, linear beyond them.
@@ -1209,11 +1211,13 @@ class LinearAttention(Layer):
         numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
         denominator = ops.sum(weights, axis=-1, keepdims=True)
         maximum = ops.reshape(maximum, (-1, group * chunk, 1))
-        return (
-            self._from_chunks(numerator, batch, length),
-            self._from_chunks(denominator, batch, length)[..., 0],
-            self._from_chunks(maximum, batch, length)[..., 0],
+        # Rearranged together, as in `_parallel`.
+        outputs = self._from_chunks(
+            ops.concatenate([numerator, denominator, maximum], axis=-1),
+            batch,
+            length,
         )
+        return outputs[..., :-2], outputs[..., -2], outputs[..., -1]
 
     def _check_call_arguments(self, inputs, initial_state, return_state):
         if isinstance(inputs, (list, tuple, dict)):
