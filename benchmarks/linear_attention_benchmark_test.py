@@ -54,6 +54,8 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             "recurrent",
             "favor_plus",
             "grouped",
+            "hybrid_64",
+            "hybrid_512",
             "mha",
             "floor",
         }
@@ -91,16 +93,28 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                     for mode in ("forward", "forward+backward")
                 },
             )
+        # The hybrids run causal, forward and backward.
+        for layer in ("hybrid_64", "hybrid_512"):
+            self.assertEqual(
+                {
+                    (row["causal"], row["mode"])
+                    for row in results["times"]
+                    if row["layer"] == layer
+                },
+                {(True, "forward"), (True, "forward+backward")},
+            )
         self.assertEqual(
-            {row["layer"] for row in results["memory"]}, {"auto", "mha"}
+            {row["layer"] for row in results["memory"]},
+            {"auto", "hybrid_64", "hybrid_512", "mha"},
         )
         steps = {row["layer"]: row for row in results["decode"]}
-        self.assertEqual(set(steps), {"linear", "favor_plus", "grouped", "mha"})
+        decoded = ("linear", "favor_plus", "grouped", "hybrid_64", "hybrid_512")
+        self.assertEqual(set(steps), {*decoded, "mha"})
         self.assertTrue(all(row["ms"] > 0 for row in steps.values()))
         self.assertTrue(all(row["repeats"] >= 1 for row in steps.values()))
         # Carried state, batch 1, float32: (features, value_dim) and
         # (features,) per key/value head.
-        for layer in ("linear", "favor_plus", "grouped"):
+        for layer in decoded:
             self.assertGreater(steps[layer]["state_bytes"], 0)
         self.assertEqual(steps["linear"]["state_bytes"], 8 * (64 * 64 + 64) * 4)
         # 2 key/value heads instead of 8: a 4x smaller state.
@@ -113,6 +127,13 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             steps["favor_plus"]["state_bytes"],
             4 * steps["linear"]["state_bytes"],
         )
+        # The hybrids: the plain state, plus the keys and values of the
+        # last W positions and which of them are valid, float32.
+        for window in (64, 512):
+            self.assertEqual(
+                steps[f"hybrid_{window}"]["state_bytes"],
+                steps["linear"]["state_bytes"] + window * (2 * 8 * 64 + 1) * 4,
+            )
         # Keys and values of the prefix and the new token, float32.
         position = steps["mha"]["position"]
         self.assertEqual(
@@ -120,7 +141,13 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
         )
         with open(os.path.join(out, name + ".md")) as file:
             table = file.read()
-        for column in ("| favor_plus |", "| grouped |", "grouped state"):
+        for column in (
+            "| favor_plus |",
+            "| grouped |",
+            "grouped state",
+            "| hybrid_512 |",
+            "hybrid_512 state",
+        ):
             self.assertIn(column, table)
         self.assertIn("| MHA, KV cache (ms) |", table)
         with open(os.path.join(out, name + ".csv")) as file:
@@ -131,10 +158,7 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                 for row in rows
                 if row["mode"] == "decode" and row["state_bytes"]
             },
-            {
-                layer: steps[layer]["state_bytes"]
-                for layer in ("linear", "favor_plus", "grouped")
-            },
+            {layer: steps[layer]["state_bytes"] for layer in decoded},
         )
         (cache,) = [row for row in rows if row["kv_cache_bytes"]]
         self.assertEqual(
@@ -228,7 +252,9 @@ class BenchmarkLogicTest(testing.TestCase):
             "> 18432 MB (OOM)",
         )
         (time_16k,) = [
-            line for line in lines if "causal forward, T=16k" in line
+            line
+            for line in lines
+            if "LinearAttention, causal forward, T=16k" in line
         ]
         self.assertIn("MHA out of memory; linear 40 ms (>= 10: ok)", time_16k)
         (memory,) = [line for line in lines if "peak memory" in line]
@@ -240,13 +266,34 @@ class BenchmarkLogicTest(testing.TestCase):
             "failed: ValueError: a bug", "failed: ImportError: no module"
         )
         (time_16k,) = [
-            line for line in lines if "causal forward, T=16k" in line
+            line
+            for line in lines
+            if "LinearAttention, causal forward, T=16k" in line
         ]
         self.assertIn("not measured: MHA failed: ValueError", time_16k)
         self.assertIn("(>= 10: ?)", time_16k)
         (memory,) = [line for line in lines if "peak memory" in line]
         self.assertIn("not measured: MHA failed: ImportError", memory)
         self.assertIn("(>= 8: ?)", memory)
+
+    def test_hybrid_targets(self):
+        times = {("hybrid_512", 16384): 20.0, ("mha", 16384): 100.0}
+        decode = [
+            {"layer": "hybrid_512", "position": 1024, "ms": 1.0},
+            {"layer": "hybrid_512", "position": 16384, "ms": 1.1},
+        ]
+        results = {"times": _rows(times), "memory": [], "decode": decode}
+        lines = targets.targets_table({"jax": results}).splitlines()
+        (speed,) = [line for line in lines if "MHA / hybrid_512" in line]
+        self.assertIn("| 5.00 (>= 3: ok) |", speed)
+        (step,) = [line for line in lines if "hybrid_512 decode" in line]
+        self.assertIn("| 1.10 (<= 1.15: ok) |", step)
+        # Softmax attention out of memory: out of reach, the target met.
+        times["mha", 16384] = "out of memory (XlaRuntimeError: ...)"
+        results["times"] = _rows(times)
+        lines = targets.targets_table({"jax": results}).splitlines()
+        (speed,) = [line for line in lines if "MHA / hybrid_512" in line]
+        self.assertIn("MHA out of memory; hybrid_512 20 ms (>= 3: ok)", speed)
 
 
 class CachedSelfAttentionTest(testing.TestCase):

@@ -50,7 +50,10 @@ class Projections(keras.layers.Layer):
 
 
 def make_layer(kind, causal, execution_mode="parallel"):
-    """A layer of `kind`; `execution_mode` applies to `config.VARIANTS` only."""
+    """A layer of `kind`; `execution_mode` applies to `config.VARIANTS` only.
+
+    `config.HYBRIDS` run in the default mode, `"auto"`, as `"auto"` does.
+    """
     kind = kind.removesuffix(config.COMPILED_SUFFIX)
     if kind in ("auto", "parallel", "recurrent"):
         return keras.layers.LinearAttention(
@@ -66,6 +69,13 @@ def make_layer(kind, causal, execution_mode="parallel"):
             causal=causal,
             execution_mode=execution_mode,
             **config.VARIANTS[kind],
+        )
+    if kind in config.HYBRIDS:
+        return keras.layers.LinearAttention(
+            config.NUM_HEADS,
+            config.HEAD_DIM,
+            causal=causal,
+            local_window=config.HYBRIDS[kind],
         )
     if kind == "mha":
         return SelfAttention(causal)

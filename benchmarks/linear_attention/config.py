@@ -14,9 +14,25 @@ VARIANTS = {
     "favor_plus": {"feature_map": "favor_plus"},
     "grouped": {"num_key_value_heads": 2},
 }
-TIME_KINDS = ("auto", "parallel", "recurrent", *VARIANTS, "mha", "floor")
+# Hybrid LinearAttention: `local_window` W, exact softmax over the last W
+# positions and linear attention beyond; "auto", causal, at every length.
+HYBRIDS = {"hybrid_64": 64, "hybrid_512": 512}
+TIME_KINDS = (
+    "auto",
+    "parallel",
+    "recurrent",
+    *VARIANTS,
+    *HYBRIDS,
+    "mha",
+    "floor",
+)
 # PyTorch only: the kinds the targets compare, under `torch.compile`.
 COMPILED_SUFFIX = "_compiled"
 COMPILED_KINDS = tuple(k + COMPILED_SUFFIX for k in ("auto", "mha", "floor"))
 # "linear": the default LinearAttention, which the variants step like.
-DECODE_LAYERS = ("linear", *VARIANTS)
+DECODE_LAYERS = ("linear", *VARIANTS, *HYBRIDS)
+# The layers whose peak memory is measured.
+MEMORY_KINDS = ("auto", *HYBRIDS, "mha")
+# The kinds timed causal only: non-causal attention has one algorithm,
+# timed as "auto", and the hybrids are timed in the mode they stream in.
+CAUSAL_ONLY_KINDS = ("parallel", "recurrent", *HYBRIDS, *COMPILED_KINDS)

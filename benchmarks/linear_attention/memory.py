@@ -29,7 +29,7 @@ RETURNING_MALLOC = {
 
 
 def measure_memory(lengths, log, limit_gb=config.MEMORY_LIMIT_GB):
-    """Peak memory of LinearAttention and MultiHeadAttention per length.
+    """Peak memory of each of `config.MEMORY_KINDS` per length.
 
     PyTorch: the growth of the resident set during one warmed-up step.
     TensorFlow and JAX: XLA's own plan, the bytes of the step's buffer
@@ -41,7 +41,7 @@ def measure_memory(lengths, log, limit_gb=config.MEMORY_LIMIT_GB):
     backend = keras.backend.backend()
     xla = backend in ("tensorflow", "jax")
     rows = []
-    for kind in ("auto", "mha"):
+    for kind in config.MEMORY_KINDS:
         for length in lengths:
             command = [
                 sys.executable,
@@ -83,7 +83,7 @@ def measure_memory(lengths, log, limit_gb=config.MEMORY_LIMIT_GB):
                     row["note"] = "the run: " + row["note"]
             rows.append(row)
             log(
-                f"  memory {kind:5} T={length:<6} "
+                f"  memory {kind:10} T={length:<6} "
                 f"{row['peak_mb'] if row['peak_mb'] is not None else row}"
             )
     return rows

@@ -9,6 +9,8 @@ TIME_STYLES = (
     ("recurrent", "s:"),
     ("favor_plus", "d-"),
     ("grouped", "v-"),
+    ("hybrid_64", "<-"),
+    ("hybrid_512", ">-"),
     ("mha", "^-"),
     ("floor", "k--"),
     ("auto_compiled", "o--"),
@@ -18,7 +20,15 @@ DECODE_LABELS = (
     ("linear", "LinearAttention"),
     ("favor_plus", "favor_plus"),
     ("grouped", "grouped (2 key/value heads)"),
+    ("hybrid_64", "hybrid_64 (local_window 64)"),
+    ("hybrid_512", "hybrid_512 (local_window 512)"),
     ("mha", "MHA (KV cache)"),
+)
+MEMORY_LABELS = (
+    ("auto", "LinearAttention"),
+    ("hybrid_64", "hybrid_64"),
+    ("hybrid_512", "hybrid_512"),
+    ("mha", "MHA"),
 )
 
 
@@ -80,7 +90,7 @@ def _plot_times(axis, rows):
 
 
 def _plot_memory(axis, memory):
-    for kind, label in (("auto", "LinearAttention"), ("mha", "MHA")):
+    for kind, label in MEMORY_LABELS:
         points = sorted(
             (r["length"], r["peak_mb"], "note" in r)
             for r in memory

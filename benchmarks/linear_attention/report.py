@@ -48,8 +48,10 @@ def markdown(results):
         "LinearAttention; `favor_plus`: LinearAttention with "
         '`feature_map="favor_plus"` (256 random features) and `grouped`: '
         "with `num_key_value_heads=2` (8 query heads share 2 key/value "
-        'heads), both `execution_mode="parallel"`; `mha`: '
-        "MultiHeadAttention; `floor`: the four projections alone; "
+        'heads), both `execution_mode="parallel"`; `hybrid_64`, '
+        "`hybrid_512`: with `local_window` 64 or 512 (exact softmax over "
+        "the last W positions, linear attention beyond), causal only; "
+        "`mha`: MultiHeadAttention; `floor`: the four projections alone; "
         "`*_compiled` (PyTorch): the same under `torch.compile`. "
         "MultiHeadAttention is timed after the other kinds at each length.",
         "",
@@ -98,6 +100,14 @@ def _times_table(rows, lengths, causal, mode):
     return lines + [""]
 
 
+MEMORY_TITLES = {
+    "auto": "LinearAttention",
+    "hybrid_64": "hybrid_64",
+    "hybrid_512": "hybrid_512",
+    "mha": "MultiHeadAttention",
+}
+
+
 def _memory_table(backend, memory):
     if backend == "torch":
         how = "MB above resting RSS"
@@ -106,19 +116,26 @@ def _memory_table(backend, memory):
             "MB, XLA's buffer assignment: outputs and temporaries, "
             "inputs excluded"
         )
+    # Results saved before the hybrids have no rows of them.
+    kinds = [
+        k for k in config.MEMORY_KINDS if any(r["layer"] == k for r in memory)
+    ]
     lines = [
         f"**Peak memory, causal forward+backward ({how})**",
         "",
-        "| T | LinearAttention | MultiHeadAttention |",
-        "|---|---|---|",
+        "| T | " + " | ".join(MEMORY_TITLES[k] for k in kinds) + " |",
+        "|---|" + "---|" * len(kinds),
     ]
     for length in sorted({r["length"] for r in memory}):
         cells = []
-        for kind in ("auto", "mha"):
+        for kind in kinds:
             row = next(
-                r
-                for r in memory
-                if r["layer"] == kind and r["length"] == length
+                (
+                    r
+                    for r in memory
+                    if r["layer"] == kind and r["length"] == length
+                ),
+                {"note": "-"},
             )
             value = row.get("peak_mb")
             if value is None:
@@ -156,7 +173,8 @@ def _decode_table(decode):
         "",
         "Step latency in ms (median): LinearAttention from its carried state "
         "(`initial_state`; `linear`: the default map, `favor_plus`, "
-        "`grouped`), MultiHeadAttention from a key/value cache of "
+        "`grouped`, and the hybrids, whose state holds the last W keys "
+        "and values), MultiHeadAttention from a key/value cache of "
         "position + 1 slots, written in place at the position. State: the "
         "bytes each LinearAttention carries between steps (batch 1, "
         "float32, the same at every position); KV cache: the bytes of "

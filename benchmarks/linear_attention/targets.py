@@ -14,6 +14,8 @@ TARGETS = [
     ("MHA / LinearAttention, causal fwd+bwd, T=4k", (5, 5, 2.5), "min"),
     ("peak memory fwd+bwd MHA / LinearAttention, T=16k", (8, 8, 8), "min"),
     ("decode step latency, 16k / 1k", (1.15, 1.15, 1.15), "max"),
+    ("MHA / hybrid_512, causal forward, T=16k", (3, 3, 3), "min"),
+    ("hybrid_512 decode step latency, 16k / 1k", (1.15, 1.15, 1.15), "max"),
 ]
 
 
@@ -101,7 +103,7 @@ def _step(decode, layer, position):
 
 
 def _time_16k(rows, auto, mha):
-    """MHA / LinearAttention at 16k, or (value, text) where MHA failed.
+    """MHA / `auto` at 16k, or (value, text) where MHA failed.
 
     Out of memory, softmax attention is out of reach and the target counts
     as met; any other failure leaves it without a value.
@@ -111,7 +113,8 @@ def _time_16k(rows, auto, mha):
     if note is None or not linear_ms:
         return ratio(time_of(rows, mha, 16384), linear_ms)
     if note.startswith("out of memory"):
-        return float("inf"), f"MHA out of memory; linear {linear_ms:.0f} ms"
+        name = "linear" if auto.startswith("auto") else auto
+        return float("inf"), f"MHA out of memory; {name} {linear_ms:.0f} ms"
     return None, f"not measured: MHA {note[:80]}"
 
 
@@ -143,7 +146,8 @@ def _memory_16k(memory):
 def target_values(results, suffix=""):
     """The values of `TARGETS`; `suffix` selects the compiled kinds.
 
-    Recurrent / parallel, memory and decode use the eager kinds always.
+    Recurrent / parallel, memory, decode and the hybrid use the eager
+    kinds always.
     """
     rows, memory, decode = (
         results["times"],
@@ -165,6 +169,11 @@ def target_values(results, suffix=""):
         ),
         _memory_16k(memory),
         ratio(_step(decode, "linear", 16384), _step(decode, "linear", 1024)),
+        _time_16k(rows, "hybrid_512", "mha"),
+        ratio(
+            _step(decode, "hybrid_512", 16384),
+            _step(decode, "hybrid_512", 1024),
+        ),
     ]
 
 

@@ -18,8 +18,8 @@ MHA_BACKWARD_MAX_LENGTH = 8192
 
 def _measured(kind, causal, mode, length, variant_lengths):
     """Whether `measure_times` measures this point."""
-    if not causal and kind in ("parallel", "recurrent", *config.COMPILED_KINDS):
-        return False  # one non-causal algorithm, measured as "auto"
+    if not causal and kind in config.CAUSAL_ONLY_KINDS:
+        return False
     if (
         kind in (*config.VARIANTS, *config.COMPILED_KINDS)
         and variant_lengths is not None
@@ -68,7 +68,7 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
         for mode in ("forward", "forward+backward"):
             layers = {}
             for kind in kinds:
-                if causal or kind not in ("parallel", "recurrent"):
+                if causal or kind not in config.CAUSAL_ONLY_KINDS:
                     layers[kind] = cases.make_layer(kind, causal)
                     layers[kind](cases.inputs(8))
             for length in lengths:
