@@ -1034,22 +1034,24 @@ class LinearAttention(Layer):
             far_bias = ops.broadcast_to(far_bias, ops.shape(query)[:3])
         query = query * self.key_dim**-0.5
 
+        def heads_first(x):
+            return ops.transpose(x, (0, 2, 1, 3))
+
         def with_window(prefix, x):
-            return ops.concatenate([prefix, x], axis=1)
+            """`x` after `prefix`: keys and values heads first, as the state."""
+            if len(x.shape) == 2:
+                return ops.concatenate([prefix, x], axis=1)
+            return ops.concatenate([prefix, heads_first(x)], axis=2)
 
         if self.causal:
             # The carried window precedes the new steps.
-            window_keys, window_values = (
-                ops.transpose(x, (0, 2, 1, 3)) for x in state[2:4]
-            )
-            window_valid = state[4]
+            window_keys, window_values, window_valid = state[2:]
         else:
             # Nothing before the first step.
-            window_keys = ops.zeros(
-                (batch, window) + tuple(key.shape[2:]), dtype
-            )
+            heads = self.num_key_value_heads
+            window_keys = ops.zeros((batch, heads, window, self.key_dim), dtype)
             window_values = ops.zeros(
-                (batch, window) + tuple(value.shape[2:]), dtype
+                (batch, heads, window, self.value_dim), dtype
             )
             window_valid = ops.zeros((batch, window), dtype)
         keys = with_window(window_keys, key)
@@ -1058,10 +1060,13 @@ class LinearAttention(Layer):
 
         def delayed(keys, values, valids):
             """Feature-mapped keys and values `local_window` steps back."""
-            features = self._feature(keys[:, :length], is_query=False)[0]
+            keys, values = (
+                heads_first(x[:, :, :length]) for x in (keys, values)
+            )
+            features = self._feature(keys, is_query=False)[0]
             return (
                 features * ops.expand_dims(valids[:, :length], (2, 3)),
-                values[:, :length],
+                values,
             )
 
         if self.causal and self._use_recurrent(query):
@@ -1113,8 +1118,8 @@ class LinearAttention(Layer):
         if not self.causal:
             return outputs, None
         state = tuple(far_state) + (
-            ops.transpose(keys[:, -window:], (0, 2, 1, 3)),
-            ops.transpose(values[:, -window:], (0, 2, 1, 3)),
+            keys[:, :, -window:],
+            values[:, :, -window:],
             valids[:, -window:],
         )
         return outputs, state
@@ -1126,13 +1131,16 @@ class LinearAttention(Layer):
 
         def push(window, x):
             """Drops the oldest step of `window` and appends `x`."""
-            return ops.concatenate([window[:, 1:], x[:, None]], axis=1)
+            if len(window.shape) == 2:
+                return ops.concatenate([window[:, 1:], x[:, None]], axis=1)
+            x = ops.expand_dims(x, 2)
+            return ops.concatenate([window[:, :, 1:], x], axis=2)
 
         window_keys = push(window_keys, key)
         window_values = push(window_values, value)
         window_valid = push(window_valid, valid)
         scores = ops.einsum(
-            "bkgd,bwkd->bkgw", self._split_heads(query), window_keys
+            "bkgd,bkwd->bkgw", self._split_heads(query), window_keys
         )
         scores = ops.where(
             window_valid[:, None, None, :] > 0, scores, -math.inf
@@ -1141,7 +1149,7 @@ class LinearAttention(Layer):
         # scores cannot scale the far part up.
         maximum = ops.relu(ops.max(scores, axis=-1))
         weights = ops.exp(scores - maximum[..., None])
-        numerator = ops.einsum("bkgw,bwke->bkge", weights, window_values)
+        numerator = ops.einsum("bkgw,bkwe->bkge", weights, window_values)
         denominator = ops.sum(weights, axis=-1)
         far_weight = ops.exp(
             far_bias - self._merge_heads(maximum[..., None])[..., 0]
@@ -1163,9 +1171,10 @@ class LinearAttention(Layer):
         """The window part of `_hybrid`, chunkwise.
 
         Step `t` of `query` attends to steps `t + 1` to `t + span` of
-        `keys`, `values` and `valids`, which begin `local_window` steps
-        before `query`. Returns the numerators, denominators and softmax
-        stabilizers, `(batch, time, heads, ...)`.
+        `keys` and `values`, `(batch, kv heads, steps, f)`, and `valids`,
+        `(batch, steps)`, which begin `local_window` steps before `query`.
+        Returns the numerators, denominators and softmax stabilizers,
+        `(batch, time, heads, ...)`.
         """
         chunk, group = self._chunk_size, self._group_size
         batch, length = ops.shape(query)[:2]
@@ -1176,18 +1185,21 @@ class LinearAttention(Layer):
         )
 
         def to_blocks(x):
-            """`(b, w + t, ...)` -> `(b, chunks, blocks * c, ...)`."""
+            """`(n, w + t, ...)` -> `(n, chunks, blocks * c, ...)`."""
             x = _append_zeros(x, padding)
             shape = ops.shape(x)
-            x = ops.reshape(x, (batch, -1, chunk) + tuple(shape[2:]))
+            x = ops.reshape(x, (shape[0], -1, chunk) + tuple(shape[2:]))
             return ops.concatenate(
                 [x[:, i : i + 1 - blocks or None] for i in range(blocks)],
                 axis=2,
             )
 
         def to_row_blocks(x):
-            x = ops.transpose(to_blocks(x), (0, 3, 1, 2, 4))
-            return ops.reshape(x, (-1, blocks * chunk, ops.shape(x)[-1]))
+            """`(b, kv heads, w + t, f)` -> `(b * kv heads * chunks, s, f)`,
+            ordered as the query chunks."""
+            features = ops.shape(x)[-1]
+            x = to_blocks(ops.reshape(x, (-1,) + tuple(ops.shape(x)[2:])))
+            return ops.reshape(x, (-1, blocks * chunk, features))
 
         query = self._to_chunks(query, group)
         scores = ops.einsum("xcd,xsd->xcs", query, to_row_blocks(keys))
