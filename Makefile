@@ -53,6 +53,7 @@ test-tools: setup
 
 demo: setup
 	$(PY) examples/linear_attention_demo.py
+	$(PY) examples/linear_attention_hybrid_demo.py
 
 # All three backends, one after the other (each in its own process), then
 # the targets table of all three. `make bench BENCH_ARGS=--quick` takes
