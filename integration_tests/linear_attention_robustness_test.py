@@ -15,7 +15,9 @@ and `make test` runs them on every backend too:
 - API edge cases: argument forms, masks of symbolic models, empty
   sequences, models of every kind, a model saved by the layer's first
   version (`testdata/linear_attention_v1.keras`), feature-map layers and
-  objects, quantized and mixed-precision models.
+  objects, quantized and mixed-precision models;
+- hybrid attention (`local_window`): left-padded generation, inputs far
+  larger than usual, and its FAVOR+ error against FAVOR+ alone.
 
 The NumPy reference of the formulas and the small helpers are the unit
 test's.
@@ -47,10 +49,16 @@ from keras.src.layers.attention.linear_attention_test import KEY_DIM
 from keras.src.layers.attention.linear_attention_test import LENGTH
 from keras.src.layers.attention.linear_attention_test import NUM_HEADS
 from keras.src.layers.attention.linear_attention_test import VALUE_DIM
+from keras.src.layers.attention.linear_attention_test import (
+    _assign_far_log_scale,
+)
 from keras.src.layers.attention.linear_attention_test import _float64_enabled
 from keras.src.layers.attention.linear_attention_test import _gradients
 from keras.src.layers.attention.linear_attention_test import _inputs
 from keras.src.layers.attention.linear_attention_test import _layer
+from keras.src.layers.attention.linear_attention_test import (
+    _masked_hybrid_state,
+)
 from keras.src.layers.attention.linear_attention_test import _np_reference
 from keras.src.layers.attention.linear_attention_test import _stream
 from keras.src.models import cloning
@@ -91,6 +99,11 @@ DROPOUT_RECOVERY_RTOL = 1e-3
 # estimate from 2 * 70 * 8 = 1120 draws (standard deviation 0.013 at rate
 # 0.25), within ~4 standard deviations.
 DROPOUT_FRACTION_ATOL = 0.05
+
+# A loss scale below 1 for float16 gradients from inputs 100x larger than
+# `_inputs`, whose exact projection gradients exceed float16's largest value
+# (65504), MultiHeadAttention's too, as LossScaleOptimizer would lower it.
+HALF_PRECISION_LOSS_SCALE = 2.0**-10
 
 # Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
 # second one partial, and a partial last chunk.
@@ -1677,3 +1690,163 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         for _ in range(3):
             _assert_close(compiled(x), expected, FLOAT32_RTOL)
         self.assertLen(graphs, compiled_graphs)
+
+    # Hybrid attention (`local_window`).
+
+    @parameterized.named_parameters(
+        ("window_4", 4, {}),
+        (
+            "window_16_grouped_favor_plus",
+            16,
+            {**CONFIGS["grouped"], **CONFIGS["favor_plus"]},
+        ),
+    )
+    def test_hybrid_left_padded_generation_matches_each_prompt_alone(
+        self, window, kwargs
+    ):
+        # Prompts shorter and longer than the window, left-padded into one
+        # batch whose padding holds NaN and large values, then steps of one
+        # token with the carried state, as in generation: the outputs and
+        # states are those of each prompt alone, and the outputs those of
+        # one call over the prompt and its steps.
+        layer = _layer(causal=True, local_window=window, **kwargs)
+        _assign_far_log_scale(layer)
+        lengths, steps = (3, 11, 7), 6
+        longest = max(lengths)
+        prompts = [
+            _inputs((1, n, INPUT_DIM), seed=10 + i)
+            for i, n in enumerate(lengths)
+        ]
+        tokens = _inputs((len(lengths), steps, INPUT_DIM), seed=20)
+        padded = np.full((len(lengths), longest, INPUT_DIM), 1e4, "float32")
+        padded[:, 0] = np.nan
+        mask = np.zeros((len(lengths), longest), bool)
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            padded[i, longest - n :] = prompt[0]
+            mask[i, longest - n :] = True
+        y, state = layer(padded, mask=mask, return_state=True)
+        batch_outputs = [backend.convert_to_numpy(y)]
+        for k in range(steps):
+            y, state = layer(
+                tokens[:, k : k + 1], initial_state=state, return_state=True
+            )
+            batch_outputs.append(backend.convert_to_numpy(y))
+        self.assertTrue(np.all(np.isfinite(np.concatenate(batch_outputs, 1))))
+        batch_state = _masked_hybrid_state(state)
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            message = f"prompt {i} ({n} steps)"
+            y, alone_state = layer(prompt, return_state=True)
+            _assert_close(
+                batch_outputs[0][i : i + 1, longest - n :],
+                y,
+                FLOAT32_PARITY_RTOL,
+                message,
+            )
+            generated = []
+            for k in range(steps):
+                y, alone_state = layer(
+                    tokens[i : i + 1, k : k + 1],
+                    initial_state=alone_state,
+                    return_state=True,
+                )
+                generated.append(backend.convert_to_numpy(y))
+                _assert_close(
+                    batch_outputs[k + 1][i : i + 1],
+                    y,
+                    FLOAT32_PARITY_RTOL,
+                    f"{message}, step {k}",
+                )
+            for actual, expected in zip(
+                batch_state, _masked_hybrid_state(alone_state)
+            ):
+                _assert_close(
+                    actual[i : i + 1], expected, FLOAT32_PARITY_RTOL, message
+                )
+            full = layer(np.concatenate([prompt, tokens[i : i + 1]], axis=1))
+            _assert_close(
+                np.concatenate(generated, axis=1),
+                backend.convert_to_numpy(full)[:, n:],
+                FLOAT32_PARITY_RTOL,
+                message,
+            )
+
+    @pytest.mark.requires_trainable_backend
+    def test_hybrid_large_inputs_are_finite(self):
+        # Inputs 100x larger: window scores in the thousands, and FAVOR+
+        # query features far outside float32's range unless the far part's
+        # scale is taken into the exponent.
+        x = 100.0 * _inputs()
+        for dtype in ("float32", "mixed_float16", "mixed_bfloat16"):
+            # Exact gradients in float16's range, so that only an overflow
+            # inside the layer shows.
+            scale = HALF_PRECISION_LOSS_SCALE if dtype == "mixed_float16" else 1
+            upstream = scale * _inputs(seed=1)
+            for config in ("elu_plus_one", "favor_plus"):
+                for causal in (False, True):
+                    message = f"{dtype}, {config}, causal={causal}"
+                    layer = _layer(
+                        config, causal=causal, local_window=8, dtype=dtype
+                    )
+                    y = backend.convert_to_numpy(layer(x))
+                    self.assertTrue(np.all(np.isfinite(y)), message)
+                    for gradient in _gradients(layer, x, upstream):
+                        self.assertTrue(np.all(np.isfinite(gradient)), message)
+
+    def test_hybrid_favor_plus_error_below_pure_favor_plus(self):
+        # Against exact causal softmax attention computed here from the
+        # same projections, at equal random features: the hybrid is exact
+        # inside its window and estimates only the far part, so its error
+        # is below that of FAVOR+ alone, for each seed.
+        length, window, num_features = 256, 32, 64
+        dims = {"num_heads": 2, "key_dim": 8, "value_dim": 8}
+        x = 0.5 * _inputs((2, length, INPUT_DIM))
+        base = _layer(causal=True, **dims)
+        # NumPy weights, so that every backend measures the same numbers.
+        rng = np.random.RandomState(0)
+        for variable in base.weights:
+            scale = 0.1 if "bias" in variable.path else 0.4
+            variable.assign(scale * rng.normal(size=variable.shape))
+        weights = _np_weights(base)
+
+        def project(name):
+            kernel, bias = weights[f"{name}/kernel"], weights[f"{name}/bias"]
+            return (
+                np.einsum("btm,mhd->bthd", x.astype("float64"), kernel) + bias
+            )
+
+        query, key, value = project("query"), project("key"), project("value")
+        scores = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(8.0)
+        causal = np.tril(np.ones((length, length), bool))
+        probabilities = _np_softmax(np.where(causal, scores, -np.inf))
+        heads = np.einsum("bhqk,bkhe->bqhe", probabilities, value)
+        exact = (
+            np.einsum(
+                "bqhe,heo->bqo", heads, weights["attention_output/kernel"]
+            )
+            + weights["attention_output/bias"]
+        )
+        errors = {"favor_plus": [], "hybrid": []}
+        for seed in range(4):
+            for name, local_window in (
+                ("favor_plus", None),
+                ("hybrid", window),
+            ):
+                layer = _layer(
+                    causal=True,
+                    feature_map="favor_plus",
+                    num_features=num_features,
+                    seed=seed,
+                    local_window=local_window,
+                    **dims,
+                )
+                for dense in ("query", "key", "value", "output"):
+                    getattr(layer, f"_{dense}_dense").set_weights(
+                        getattr(base, f"_{dense}_dense").get_weights()
+                    )
+                y = backend.convert_to_numpy(layer(x))
+                errors[name].append(
+                    float(np.mean(np.abs(y - exact)) / np.mean(np.abs(exact)))
+                )
+        print(f"Relative error against softmax attention, by seed: {errors}")
+        for plain, hybrid in zip(errors["favor_plus"], errors["hybrid"]):
+            self.assertLess(hybrid, plain, errors)

@@ -57,6 +57,16 @@ CONFIGS = {
 }
 
 
+# OpenVINO unrolls the recurrent scan, whose hybrid step then compiles for
+# tens of seconds at LENGTH, so there only single tokens check the step
+# (test_hybrid_full_chunked_and_token_by_token_agree).
+HYBRID_MODES = (
+    ("parallel",)
+    if backend.backend() == "openvino"
+    else ("parallel", "recurrent")
+)
+
+
 def _inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0, dtype="float32"):
     return np.random.RandomState(seed).normal(size=shape).astype(dtype)
 
@@ -83,50 +93,70 @@ def _layer(config=None, build=True, **kwargs):
     return layer
 
 
-def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
-    """Outputs and final state of `layer`, from the formulas in float64.
-
-    `feature` replaces the layer's feature map (for custom maps).
-    """
-    w = {
+def _np_weights(layer):
+    """The layer's weights in float64, by path within the layer."""
+    return {
         v.path[len(layer.path) + 1 :]: np.asarray(
             backend.convert_to_numpy(v), "float64"
         )
         for v in layer.weights
     }
+
+
+def _np_project(layer, weights, x, name):
+    """The projection `name` of float64 inputs: (batch, time, heads, dim)."""
+    y = np.einsum("btm,mhd->bthd", x, weights[f"{name}/kernel"])
+    return y + weights[f"{name}/bias"] if layer.use_bias else y
+
+
+def _np_feature(layer, weights, y, is_query, hybrid=False):
+    """`phi` of projected queries or keys with a built-in feature map.
+
+    `hybrid`: FAVOR+ query features as the hybrid needs them, with neither
+    the per-token shift nor the cap, so that `phi(q) . phi(k)` estimates
+    `exp(q . k / sqrt(key_dim))` itself.
+    """
+    if layer.feature_map == "elu_plus_one":
+        return np.where(y > 0, y + 1.0, np.exp(np.minimum(y, 0.0)))
+    if layer.feature_map == "relu":
+        return np.maximum(y, 0.0) + layer.normalization_epsilon
+    if layer.feature_map == "hedgehog":
+        # Head i uses the matrix of its key/value head.
+        kernel = weights["feature_map_kernel"]
+        kernel = kernel[np.arange(y.shape[2]) * len(kernel) // y.shape[2]]
+        y = np.einsum("bthd,hdf->bthf", y, kernel)
+        y = np.exp(np.concatenate([y, -y], axis=-1))
+        return y / np.sum(y, axis=-1, keepdims=True)
+    # FAVOR+: exp(w . x' - |x'|^2 / 2) / sqrt(m), x' = x / key_dim^(1/4).
+    projection = weights["random_features"]
+    y = y / layer.key_dim**0.25
+    exponent = y @ projection - 0.5 * np.sum(y**2, -1, keepdims=True)
+    if is_query and hybrid:
+        return np.exp(exponent) / np.sqrt(projection.shape[1])
+    if is_query and layer.use_normalizer:
+        # A per-token factor that cancels in the ratio.
+        exponent = exponent - np.max(exponent, axis=-1, keepdims=True)
+    exponent = np.minimum(exponent, 60.0)  # the layer's overflow cap
+    return np.exp(exponent) / np.sqrt(projection.shape[1])
+
+
+def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
+    """Outputs and final state of `layer`, from the formulas in float64.
+
+    `feature` replaces the layer's feature map (for custom maps).
+    """
+    w = _np_weights(layer)
     x = np.asarray(x, "float64")
     epsilon = layer.normalization_epsilon
-
-    def project(name):
-        y = np.einsum("btm,mhd->bthd", x, w[f"{name}/kernel"])
-        return y + w[f"{name}/bias"] if layer.use_bias else y
 
     def phi(y, is_query):
         if feature is not None:
             return feature(y)
-        if layer.feature_map == "elu_plus_one":
-            return np.where(y > 0, y + 1.0, np.exp(np.minimum(y, 0.0)))
-        if layer.feature_map == "relu":
-            return np.maximum(y, 0.0) + epsilon
-        if layer.feature_map == "hedgehog":
-            # Head i uses the matrix of its key/value head.
-            kernel = w["feature_map_kernel"]
-            kernel = kernel[np.arange(y.shape[2]) * len(kernel) // y.shape[2]]
-            y = np.einsum("bthd,hdf->bthf", y, kernel)
-            y = np.exp(np.concatenate([y, -y], axis=-1))
-            return y / np.sum(y, axis=-1, keepdims=True)
-        # FAVOR+: exp(w . x' - |x'|^2 / 2) / sqrt(m), x' = x / key_dim^(1/4).
-        projection = w["random_features"]
-        y = y / layer.key_dim**0.25
-        exponent = y @ projection - 0.5 * np.sum(y**2, -1, keepdims=True)
-        if is_query and layer.use_normalizer:
-            # A per-token factor that cancels in the ratio.
-            exponent = exponent - np.max(exponent, axis=-1, keepdims=True)
-        exponent = np.minimum(exponent, 60.0)  # the layer's overflow cap
-        return np.exp(exponent) / np.sqrt(projection.shape[1])
+        return _np_feature(layer, w, y, is_query)
 
-    query = phi(project("query"), True)
-    key, value = phi(project("key"), False), project("value")
+    query = phi(_np_project(layer, w, x, "query"), True)
+    key = phi(_np_project(layer, w, x, "key"), False)
+    value = _np_project(layer, w, x, "value")
     # Query head i attends with key/value head i // group.
     group = layer.num_heads // layer.num_key_value_heads
     key, value = np.repeat(key, group, 2), np.repeat(value, group, 2)
@@ -158,6 +188,165 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     # One state per key/value head (equal within a group).
     state = (s[:, -1, ::group], z[:, -1, ::group])
     return outputs, state[: 2 if layer.use_normalizer else 1]
+
+
+def _np_hybrid_reference(layer, x, mask=None, initial_state=None):
+    """Outputs and final state of a layer with `local_window`, in float64.
+
+    From the formulas with explicit (query, key) masks for the window and
+    the far part, independent of the layer's chunks and steps. A causal
+    layer's keys are its carried window (zeros and invalid by default)
+    followed by the inputs.
+    """
+    w = _np_weights(layer)
+    x = np.asarray(x, "float64")
+    batch, length = x.shape[:2]
+    window = layer.local_window
+    valid = np.ones((batch, length), bool) if mask is None else mask
+    valid = np.broadcast_to(np.asarray(valid, bool), (batch, length))
+    query = _np_project(layer, w, x, "query")
+    key = _np_project(layer, w, x, "key")
+    value = _np_project(layer, w, x, "value")
+    carried = 0
+    if layer.causal:
+        if initial_state is None:
+            # Nothing valid: zeros of the state's shapes.
+            kv_heads = key.shape[2]
+            features = _np_feature(layer, w, key, False).shape[-1]
+            initial_state = (
+                np.zeros((batch, kv_heads, features, value.shape[-1])),
+                np.zeros((batch, kv_heads, features)),
+                np.zeros((batch, kv_heads, window, key.shape[-1])),
+                np.zeros((batch, kv_heads, window, value.shape[-1])),
+                np.zeros((batch, window)),
+            )
+        far_kv, far_k, window_keys, window_values, window_valid = (
+            np.asarray(backend.convert_to_numpy(s), "float64")
+            for s in initial_state
+        )
+        key = np.concatenate([window_keys.transpose(0, 2, 1, 3), key], 1)
+        value = np.concatenate([window_values.transpose(0, 2, 1, 3), value], 1)
+        valid = np.concatenate([window_valid > 0.5, valid], axis=1)
+        carried = window
+    # Masked keys and values may hold anything: the masks below exclude
+    # them, and zeros keep the products finite.
+    key = np.where(valid[:, :, None, None], key, 0.0)
+    value = np.where(valid[:, :, None, None], value, 0.0)
+    distance = carried + np.arange(length)[:, None] - np.arange(len(key[0]))
+    if layer.causal:
+        near, far = (distance >= 0) & (distance < window), distance >= window
+    else:
+        near, far = np.abs(distance) < window, np.abs(distance) >= window
+    # (batch, 1, query, key): the same for every head.
+    near = near & valid[:, None, None, :]
+    far = far & valid[:, None, None, :]
+
+    # Query head i attends with key/value head i // group.
+    group = layer.num_heads // layer.num_key_value_heads
+
+    def heads(y):
+        return np.repeat(y, group, axis=2)
+
+    scores = np.einsum("bthd,bjhd->bhtj", query, heads(key))
+    scores = scores / np.sqrt(layer.key_dim)
+    stabilizer = np.maximum(
+        0.0, np.max(np.where(near, scores, -np.inf), axis=-1)
+    )
+    near_weights = np.exp(
+        np.where(near, scores - stabilizer[..., None], -np.inf)
+    )
+    query_features = _np_feature(layer, w, query, True, hybrid=True)
+    key_features = _np_feature(layer, w, key, False)
+    far_weights = np.where(
+        far,
+        np.einsum("bthf,bjhf->bhtj", query_features, heads(key_features)),
+        0.0,
+    )
+    # exp(a_h - m_t), (batch, heads, query).
+    far_scale = np.exp(w["far_log_scale"][:, None] - stabilizer)
+    weights = near_weights + far_scale[..., None] * far_weights
+    numerator = np.einsum("bhtj,bjhe->bthe", weights, heads(value))
+    denominator = np.sum(weights, axis=-1)
+    if layer.causal:
+        # The far state carried in is far for every query.
+        far_kv = np.repeat(far_kv, group, axis=1)
+        far_k = np.repeat(far_k, group, axis=1)
+        numerator = numerator + np.einsum(
+            "bht,bthf,bhfe->bthe", far_scale, query_features, far_kv
+        )
+        denominator = denominator + np.einsum(
+            "bht,bthf,bhf->bht", far_scale, query_features, far_k
+        )
+    denominator = denominator.transpose(0, 2, 1)[..., None]
+    outputs = numerator / (denominator + layer.normalization_epsilon)
+    outputs = np.einsum("bthe,heo->bto", outputs, w["attention_output/kernel"])
+    if layer.use_bias:
+        outputs = outputs + w["attention_output/bias"]
+    outputs = outputs * valid[:, carried:, None]
+    if not layer.causal:
+        return outputs, None
+    # Every key but the last `window` has left the window.
+    left = key_features[:, :-window] * valid[:, :-window, None, None]
+    state = (
+        far_kv[:, ::group]
+        + np.einsum("bjhf,bjhe->bhfe", left, value[:, :-window]),
+        far_k[:, ::group] + np.sum(left, axis=1),
+        key[:, -window:].transpose(0, 2, 1, 3),
+        value[:, -window:].transpose(0, 2, 1, 3),
+        valid[:, -window:].astype("float64"),
+    )
+    return outputs, state
+
+
+def _hybrid_mask(batch=BATCH, length=LENGTH):
+    """Left padding in the first sequence, holes in the second."""
+    mask = np.ones((batch, length), bool)
+    mask[0, :7] = False
+    mask[1, 20:26] = mask[1, length - 20] = False
+    return mask
+
+
+def _hybrid_state(layer, batch, seed, dtype="float32"):
+    """A random hybrid state, with invalid slots inside the window."""
+    rng = np.random.RandomState(seed)
+    shapes = [tuple(s.shape) for s in layer.get_initial_state(batch)]
+    state = (
+        rng.normal(size=shapes[0]),
+        # A sum of positive features.
+        rng.uniform(1, 2, size=shapes[1]),
+        rng.normal(size=shapes[2]),
+        rng.normal(size=shapes[3]),
+        rng.uniform(size=shapes[4]) < 0.7,
+    )
+    return tuple(s.astype(dtype) for s in state)
+
+
+def _masked_hybrid_state(state):
+    """A hybrid state in float64, with zeros in its invalid window slots.
+
+    What an invalid slot holds is never read, so that states compare
+    equal whatever the layer keeps there.
+    """
+    state = [np.asarray(backend.convert_to_numpy(s), "float64") for s in state]
+    slots = state[4][:, None, :, None] > 0.5
+    state[2] = np.where(slots, state[2], 0.0)
+    state[3] = np.where(slots, state[3], 0.0)
+    return state
+
+
+def _far_log_scale(layer):
+    """The layer's `far_log_scale` weight, found by its path."""
+    (variable,) = [v for v in layer.weights if v.path.endswith("far_log_scale")]
+    return variable
+
+
+def _assign_far_log_scale(layer, value=None, seed=2):
+    """Sets `far_log_scale` to `value`, or to random values."""
+    variable = _far_log_scale(layer)
+    shape = tuple(variable.shape)
+    if value is None:
+        value = np.random.RandomState(seed).uniform(-1, 1, size=shape)
+    variable.assign(np.broadcast_to(value, shape).astype(variable.dtype))
 
 
 def _gradients(layer, x, upstream, **call_kwargs):
@@ -195,6 +384,65 @@ def _gradients(layer, x, upstream, **call_kwargs):
         loss = torch.sum(y * torch.tensor(upstream))
         variables = [v.value for v in layer.trainable_variables]
         grads = torch.autograd.grad(loss, [x] + variables)
+    else:
+        pytest.skip(f"No gradients on the {backend.backend()} backend.")
+    return [np.asarray(backend.convert_to_numpy(g), "float64") for g in grads]
+
+
+def _gradients_with_state(layer, x, initial_state, upstream, **call_kwargs):
+    """Gradients of `sum(layer(x) * upstream)` from a hybrid state.
+
+    W.r.t. `x`, the first four state elements (`window_valid` is a flag)
+    and the trainable weights.
+    """
+    flags = initial_state[4]
+    if backend.backend() == "jax":
+        import jax
+
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def loss(trainable, x, state):
+            y, _ = layer.stateless_call(
+                trainable,
+                non_trainable,
+                x,
+                initial_state=tuple(state) + (flags,),
+                **call_kwargs,
+            )
+            return jax.numpy.sum(y.astype("float32") * upstream)
+
+        grad_weights, grad_x, grad_state = jax.jit(
+            jax.grad(loss, argnums=(0, 1, 2))
+        )(
+            [v.value for v in layer.trainable_variables],
+            x,
+            list(initial_state[:4]),
+        )
+        grads = [grad_x] + list(grad_state) + list(grad_weights)
+    elif backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(x)
+        state = [tf.convert_to_tensor(s) for s in initial_state[:4]]
+        with tf.GradientTape() as tape:
+            tape.watch([x] + state)
+            y = layer(x, initial_state=tuple(state) + (flags,), **call_kwargs)
+            loss = tf.reduce_sum(tf.cast(y, "float32") * upstream)
+        variables = [v.value for v in layer.trainable_variables]
+        grads = tape.gradient(loss, [x] + state + variables)
+    elif backend.backend() == "torch":
+        import torch
+
+        x = torch.tensor(x, requires_grad=True)
+        state = [torch.tensor(s, requires_grad=True) for s in initial_state[:4]]
+        y = layer(
+            x,
+            initial_state=tuple(state) + (torch.tensor(flags),),
+            **call_kwargs,
+        ).float()
+        loss = torch.sum(y * torch.tensor(upstream))
+        variables = [v.value for v in layer.trainable_variables]
+        grads = torch.autograd.grad(loss, [x] + state + variables)
     else:
         pytest.skip(f"No gradients on the {backend.backend()} backend.")
     return [np.asarray(backend.convert_to_numpy(g), "float64") for g in grads]
@@ -262,6 +510,7 @@ class LinearAttentionTest(testing.TestCase):
         ),
         ("hedgehog", {"feature_map": "hedgehog"}, 9),
         ("grouped", {"causal": True, "num_key_value_heads": 1}, 8),
+        ("hybrid", {"causal": True, "local_window": 3}, 9),
     )
     def test_basics(self, init_kwargs, num_weights, num_non_trainable=0):
         self.run_layer_test(
@@ -348,10 +597,12 @@ class LinearAttentionTest(testing.TestCase):
             "num_features": 6,
         }
         # `projection_dtypes` is written only for quantized projections
-        # (see test_quantize).
+        # (see test_quantize); `local_window` refuses `use_normalizer=False`
+        # (see test_local_window_config_and_weights).
         parameters = set(inspect.signature(LinearAttention).parameters)
         self.assertEqual(
-            set(arguments), parameters - {"projection_dtypes", "kwargs"}
+            set(arguments),
+            parameters - {"projection_dtypes", "kwargs", "local_window"},
         )
         config = LinearAttention(**arguments).get_config()
         for name, value in arguments.items():
@@ -465,9 +716,20 @@ class LinearAttentionTest(testing.TestCase):
             {"projection_dtypes": {"gate": "int8_from_float32"}},
             "projection_dtypes",
         ),
+        ("local_window_zero", {"local_window": 0}, "local_window", "=0"),
+        ("local_window_negative", {"local_window": -1}, "local_window", "=-1"),
+        ("local_window_float", {"local_window": 2.5}, "local_window", "=2.5"),
+        ("local_window_bool", {"local_window": True}, "local_window", "=True"),
+        ("local_window_string", {"local_window": "8"}, "local_window", "='8'"),
+        (
+            "local_window_without_normalizer",
+            {"local_window": 8, "use_normalizer": False},
+            "local_window",
+        ),
     )
-    def test_invalid_arguments(self, kwargs, name):
-        with self.assertRaisesRegex(ValueError, f"`{name}.*Received"):
+    def test_invalid_arguments(self, kwargs, name, value=""):
+        # `value`: how the message shows the received value.
+        with self.assertRaisesRegex(ValueError, f"`{name}.*Received.*{value}"):
             LinearAttention(**{"num_heads": 2, "key_dim": 4, **kwargs})
 
     @parameterized.named_parameters(
@@ -781,9 +1043,14 @@ class LinearAttentionTest(testing.TestCase):
         ("favor_plus", "favor_plus", True),
         ("hedgehog", "hedgehog", False),
         ("grouped_hedgehog", "grouped_hedgehog", True),
+        ("hybrid_causal_favor_plus", "favor_plus", True, 5),
+        ("hybrid_non_causal_grouped", "grouped", False, 3),
     )
-    def test_save_load_and_clone(self, config, causal):
-        layer = _layer(config, causal=causal)
+    def test_save_load_and_clone(self, config, causal, local_window=None):
+        layer = _layer(config, causal=causal, local_window=local_window)
+        if local_window is not None:
+            # Away from its initial value, so that a lost weight shows.
+            _assign_far_log_scale(layer)
         inputs = layers.Input((None, INPUT_DIM))
         model = models.Model(inputs, layer(inputs))
         x = _inputs()
@@ -1143,3 +1410,348 @@ class LinearAttentionTest(testing.TestCase):
         result = runner.summarize(verbose=False)
         self.assertGreater(result.attempted, 10)
         self.assertEqual(result.failed, 0)
+
+    # Hybrid attention (`local_window`).
+
+    def assertHybridStateClose(self, actual, expected, tol=FLOAT32_TOL, msg=""):
+        self.assertLen(actual, 5)
+        actual = _masked_hybrid_state(actual)
+        expected = _masked_hybrid_state(expected)
+        self.assertAllEqual(actual[4], expected[4], msg=f"{msg} window_valid")
+        names = ("key_value_state", "key_state", "window_keys", "window_values")
+        for name, a, e in zip(names, actual, expected):
+            self.assertEqual(a.shape, e.shape, msg=f"{msg} {name}")
+            self.assertClose(a, e, tol, f"{msg} {name}")
+
+    @parameterized.named_parameters(
+        ("causal_window_1_elu_plus_one", "elu_plus_one", 1, True),
+        ("causal_window_5_favor_plus", "favor_plus", 5, True),
+        ("causal_window_64_grouped", "grouped", 64, True),
+        ("causal_window_69_hedgehog", "hedgehog", LENGTH - 1, True),
+        ("causal_window_70_relu", "relu", LENGTH, True),
+        ("causal_window_100_grouped_hedgehog", "grouped_hedgehog", 100, True),
+        ("non_causal_window_1_relu", "relu", 1, False),
+        ("non_causal_window_5_hedgehog", "hedgehog", 5, False),
+        ("non_causal_window_64_favor_plus", "favor_plus", 64, False),
+        ("non_causal_window_69_grouped", "grouped", LENGTH - 1, False),
+        ("non_causal_window_100_elu_plus_one", "elu_plus_one", 100, False),
+    )
+    def test_hybrid_matches_reference(self, config, window, causal):
+        # Left padding and holes, a trained-looking far scale per head, and
+        # (causal) a carried state whose window has invalid slots.
+        layer = _layer(config, causal=causal, local_window=window)
+        _assign_far_log_scale(layer)
+        x, mask = _inputs(), _hybrid_mask()
+        state = _hybrid_state(layer, BATCH, seed=3) if causal else None
+        expected, expected_state = _np_hybrid_reference(layer, x, mask, state)
+        for mode in HYBRID_MODES:
+            layer.execution_mode = mode
+            if not causal:
+                self.assertClose(layer(x, mask=mask), expected, msg=mode)
+                continue
+            y, final_state = layer(
+                x, mask=mask, initial_state=state, return_state=True
+            )
+            self.assertClose(y, expected, msg=mode)
+            self.assertHybridStateClose(final_state, expected_state, msg=mode)
+
+    @parameterized.named_parameters(("non_causal", False), ("causal", True))
+    @pytest.mark.skipif(
+        backend.backend() in ("numpy", "openvino"),
+        reason="These backends compute float64 layers in float32.",
+    )
+    def test_hybrid_float64(self, causal):
+        # A large epsilon, so that the configured value and the softmax
+        # stabilizer (which otherwise cancels) show in the outputs; every
+        # feature map and head layout once over the two cases.
+        windows = {
+            True: {"elu_plus_one": 1, "favor_plus": 64, "grouped_hedgehog": 69},
+            False: {"relu": 5, "hedgehog": 100, "grouped": 5},
+        }[causal]
+        with _float64_enabled():
+            for config, window in windows.items():
+                layer = _layer(
+                    config,
+                    causal=causal,
+                    dtype="float64",
+                    normalization_epsilon=0.5,
+                    local_window=window,
+                )
+                _assign_far_log_scale(layer)
+                x, mask = _inputs(dtype="float64"), _hybrid_mask()
+                state = None
+                if causal:
+                    state = _hybrid_state(layer, BATCH, 3, dtype="float64")
+                expected, expected_state = _np_hybrid_reference(
+                    layer, x, mask, state
+                )
+                if not causal:
+                    y = layer(x, mask=mask)
+                    self.assertDType(y, "float64")
+                    self.assertClose(y, expected, FLOAT64_TOL, msg=config)
+                    continue
+                y, final_state = layer(
+                    x, mask=mask, initial_state=state, return_state=True
+                )
+                self.assertDType(y, "float64")
+                self.assertClose(y, expected, FLOAT64_TOL, msg=config)
+                for s in final_state:
+                    self.assertDType(s, "float64")
+                self.assertHybridStateClose(
+                    final_state, expected_state, FLOAT64_TOL, msg=config
+                )
+
+    @parameterized.named_parameters(
+        ("causal_window_of_length", True, LENGTH, None),
+        ("non_causal_window_over_length", False, 100, None),
+        ("causal_band_without_far_part", True, 5, -1e4),
+        ("non_causal_band_without_far_part", False, 5, -1e4),
+    )
+    def test_hybrid_matches_multi_head_attention(
+        self, causal, window, far_log_scale
+    ):
+        # Against upstream softmax attention with the same projections (and
+        # an epsilon far below the denominators, as softmax has none): a
+        # window over the whole sequence is exact softmax attention, and a
+        # far part scaled to zero is softmax attention in a band.
+        layer = _layer(
+            causal=causal, local_window=window, normalization_epsilon=1e-12
+        )
+        # A far scale that must not matter where the far part is empty.
+        _assign_far_log_scale(layer, far_log_scale)
+        x = _inputs()
+        mha = layers.MultiHeadAttention(NUM_HEADS, KEY_DIM, VALUE_DIM)
+        mha.build(x.shape, x.shape)
+        for name in ("query", "key", "value", "output"):
+            getattr(mha, f"_{name}_dense").set_weights(
+                getattr(layer, f"_{name}_dense").get_weights()
+            )
+        distance = np.arange(LENGTH)[:, None] - np.arange(LENGTH)
+        # With the scores returned, MultiHeadAttention takes its explicit
+        # softmax path: JAX's fused one needs value_dim == key_dim.
+        if window >= LENGTH:
+            expected, _ = mha(
+                x, x, use_causal_mask=causal, return_attention_scores=True
+            )
+        else:
+            band = np.abs(distance) < window
+            if causal:
+                band = band & (distance >= 0)
+            band = np.broadcast_to(band, (BATCH, LENGTH, LENGTH))
+            expected, _ = mha(
+                x, x, attention_mask=band, return_attention_scores=True
+            )
+        expected = backend.convert_to_numpy(expected)
+        # The reference too, from the same formulas as the other tests.
+        self.assertClose(_np_hybrid_reference(layer, x)[0], expected)
+        for mode in HYBRID_MODES:
+            layer.execution_mode = mode
+            self.assertClose(layer(x), expected, msg=mode)
+
+    @parameterized.named_parameters(
+        ("window_5_favor_plus", "favor_plus", 5),
+        ("window_20_grouped_hedgehog", "grouped_hedgehog", 20),
+        ("window_100_grouped", "grouped", 100),
+    )
+    def test_hybrid_full_chunked_and_token_by_token_agree(self, config, window):
+        # Pieces shorter and longer than the window, not on chunk edges,
+        # and single tokens (the recurrent step), with padding and holes;
+        # two piece lengths only, since JAX compiles each new one.
+        layer = _layer(config, causal=True, local_window=window)
+        _assign_far_log_scale(layer)
+        x, mask = _inputs(), _hybrid_mask()
+        full, full_state = layer(x, mask=mask, return_state=True)
+        expected, expected_state = _np_hybrid_reference(layer, x, mask)
+        self.assertClose(full, expected)
+        self.assertHybridStateClose(full_state, expected_state)
+        tokens = [1] * LENGTH
+        if backend.backend() == "openvino":
+            # OpenVINO compiles each call together with the calls whose
+            # state it takes: time grows with the square of the calls.
+            tokens = [1] * 8 + [LENGTH - 8]
+        for sizes in ([3, 30, 1, 3, 30, 3], tokens):
+            streamed, state = _stream(layer, x, sizes, mask)
+            message = f"sizes={sizes[:6]}"
+            self.assertClose(streamed, full, msg=message)
+            self.assertHybridStateClose(state, full_state, msg=message)
+
+    @parameterized.named_parameters(
+        ("window_1_favor_plus", "favor_plus", 1),
+        ("window_20_grouped_hedgehog", "grouped_hedgehog", 20),
+    )
+    @pytest.mark.requires_trainable_backend
+    def test_hybrid_parallel_and_recurrent_gradients_agree(
+        self, config, window
+    ):
+        parallel = _layer(
+            config, causal=True, local_window=window, execution_mode="parallel"
+        )
+        _assign_far_log_scale(parallel)
+        recurrent = _layer(
+            config, causal=True, local_window=window, execution_mode="recurrent"
+        )
+        recurrent.set_weights(parallel.get_weights())
+        # The state of a previous call, whose window is partly masked.
+        previous_mask = np.ones((BATCH, 30), bool)
+        previous_mask[1, -3:] = False
+        _, state = parallel(
+            _inputs((BATCH, 30, INPUT_DIM), seed=7),
+            mask=previous_mask,
+            return_state=True,
+        )
+        state = tuple(backend.convert_to_numpy(s) for s in state)
+        # Masked steps hold NaN: it must reach neither outputs nor
+        # gradients.
+        mask = _hybrid_mask()
+        x = np.where(mask[..., None], _inputs(), np.nan).astype("float32")
+        upstream = _inputs(seed=5)
+        self.assertClose(
+            parallel(x, mask=mask, initial_state=state),
+            recurrent(x, mask=mask, initial_state=state),
+        )
+        expected = _gradients_with_state(
+            recurrent, x, state, upstream, mask=mask
+        )
+        actual = _gradients_with_state(parallel, x, state, upstream, mask=mask)
+        self.assertLen(actual, 5 + len(parallel.trainable_variables))
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            # Every input, state element and weight is trained, e.g. the
+            # far scale too.
+            self.assertTrue(np.all(np.isfinite(a)) and np.any(a), msg=i)
+            self.assertClose(a, e, GRADIENT_TOL, msg=i)
+
+    def test_hybrid_state_shapes(self):
+        layer = _layer(
+            causal=True,
+            build=False,
+            num_heads=4,
+            num_key_value_heads=2,
+            feature_map="favor_plus",
+            num_features=10,
+            local_window=6,
+        )
+        expected = [
+            (3, 2, 10, 5),
+            (3, 2, 10),
+            (3, 2, 6, 3),
+            (3, 2, 6, 5),
+            (3, 6),
+        ]
+        for batch_size in (3, np.int64(3), ops.convert_to_tensor(3)):
+            state = layer.get_initial_state(batch_size)
+            self.assertEqual([tuple(s.shape) for s in state], expected)
+            for s in state:
+                self.assertDType(s, "float32")
+                self.assertAllEqual(s, np.zeros(s.shape))
+        self.assertFalse(layer.built)
+        for length in (1, 5):  # the recurrent and the parallel path
+            x = _inputs((3, length, INPUT_DIM))
+            _, state = layer(x, return_state=True)
+            self.assertEqual([tuple(s.shape) for s in state], expected)
+            for s in state:
+                self.assertDType(s, "float32")
+        _, spec = layer.compute_output_spec(
+            backend.KerasTensor(x.shape), return_state=True
+        )
+        self.assertEqual([tuple(s.shape) for s in spec], expected)
+        self.assertEqual([s.dtype for s in spec], ["float32"] * 5)
+        if backend.backend() not in ("numpy", "openvino"):
+            with _float64_enabled():
+                wide = _layer(causal=True, local_window=6, dtype="float64")
+                for s in wide.get_initial_state(3):
+                    self.assertDType(s, "float64")
+
+    def test_hybrid_invalid_state(self):
+        layer = _layer(causal=True, local_window=4)
+        x = _inputs((3, 4, INPUT_DIM))
+        state = layer.get_initial_state(3)
+        for transform, message in (
+            (lambda s: s[:2], "tuple of 5"),
+            (lambda s: s[:4], "tuple of 5"),
+            (lambda s: s + s[:1], "tuple of 5"),
+            (
+                lambda s: s[:2] + (s[2][:, :, :3], s[3], s[4]),
+                r"window_keys.*\(3, 2, 4, 3\)",
+            ),
+            (
+                lambda s: s[:3] + (s[3][..., :2], s[4]),
+                r"window_values.*\(3, 2, 4, 5\)",
+            ),
+            (lambda s: s[:4] + (s[4][:, :3],), r"window_valid.*\(3, 4\)"),
+            (lambda s: s[:4] + (ops.cast(s[4], "int32"),), "window_valid"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                layer(x, initial_state=transform(state))
+        # A plain layer refuses a hybrid state.
+        with self.assertRaisesRegex(ValueError, "tuple of 2"):
+            _layer(causal=True)(x, initial_state=state)
+
+    def test_local_window_config_and_weights(self):
+        self.assertIsNone(LinearAttention(2, 4).get_config()["local_window"])
+        # A NumPy integer becomes a Python one, and the value round-trips.
+        layer = LinearAttention(2, 4, causal=True, local_window=np.int64(8))
+        config = json.loads(json.dumps(layer.get_config()))
+        self.assertEqual(config["local_window"], 8)
+        self.assertIsInstance(config["local_window"], int)
+        restored = LinearAttention.from_config(config)
+        self.assertEqual(restored.local_window, 8)
+        self.assertEqual(restored.get_config(), config)
+        # One trainable far scale per query head, starting at 0, and only
+        # with a window: without it the layer is the plain one.
+        hybrid = _layer("grouped", local_window=5)
+        variable = _far_log_scale(hybrid)
+        self.assertEqual(tuple(variable.shape), (4,))
+        self.assertIn(variable, hybrid.trainable_weights)
+        self.assertAllEqual(variable, np.zeros(4))
+        self.assertLen(hybrid.weights, len(_layer("grouped").weights) + 1)
+        for plain in (_layer(), _layer(local_window=None, causal=True)):
+            self.assertFalse(
+                any("far_log_scale" in v.path for v in plain.weights)
+            )
+            self.assertIsNone(plain.local_window)
+
+    @parameterized.named_parameters(
+        ("float16", "float16"), ("bfloat16", "bfloat16")
+    )
+    def test_hybrid_mixed_precision(self, dtype):
+        x, mask = _inputs(), _hybrid_mask()
+        for config, window in (("favor_plus", 5), ("grouped_hedgehog", 20)):
+            for causal in (False, True):
+                message = f"{config}, causal={causal}"
+                layer = _layer(
+                    config,
+                    causal=causal,
+                    local_window=window,
+                    dtype=f"mixed_{dtype}",
+                )
+                _assign_far_log_scale(layer)
+                reference = _layer(config, causal=causal, local_window=window)
+                reference.set_weights(layer.get_weights())
+                if not causal:
+                    y = layer(x, mask=mask)
+                    self.assertDType(y, dtype)
+                    self.assertClose(
+                        y, reference(x, mask=mask), MIXED_TOL[dtype], message
+                    )
+                    continue
+                y, state = layer(x, mask=mask, return_state=True)
+                expected, expected_state = reference(
+                    x, mask=mask, return_state=True
+                )
+                self.assertDType(y, dtype)
+                self.assertClose(y, expected, MIXED_TOL[dtype], message)
+                # The state is kept in float32; its far part sums the
+                # rounded keys and values of every step, its window holds
+                # one rounded step per slot.
+                for s in state:
+                    self.assertDType(s, "float32")
+                state = _masked_hybrid_state(state)
+                expected_state = _masked_hybrid_state(expected_state)
+                self.assertAllEqual(state[4], expected_state[4])
+                for i, steps in ((0, LENGTH), (1, LENGTH), (2, 1), (3, 1)):
+                    self.assertClose(
+                        state[i],
+                        expected_state[i],
+                        MIXED_TOL[dtype] * steps,
+                        message,
+                    )
