@@ -801,10 +801,9 @@ class LinearAttention(Layer):
                     self._plain_step, state, (query, key, value)
                 )
             else:
-                (numerator, denominator), state = self._parallel(
-                    query, key, value, state
+                outputs, state = self._parallel(
+                    query, key, value, state, readout=True
                 )
-                outputs = self._readout(numerator, denominator)
         if mask is not None:
             # Nothing computed at padding reaches the output projection,
             # e.g. the input statistics that GPTQ quantization collects.
@@ -950,12 +949,13 @@ class LinearAttention(Layer):
             x = x[:, :length]
         return x
 
-    def _parallel(self, query, key, value, initial_state):
+    def _parallel(self, query, key, value, initial_state, readout=False):
         """The chunkwise form of `_recurrent` with `_linear_step`.
 
         Returns the numerators and denominators of the queries, as
         `(batch, time, heads, value_dim)` and `(batch, time, heads)`
-        (`None` without the normalizer), and the last state.
+        (`None` without the normalizer), or with `readout` their ratios,
+        and the last state.
         """
         batch, length = ops.shape(query)[:2]
         # Zero keys and values pad to whole chunks without changing the
@@ -995,11 +995,15 @@ class LinearAttention(Layer):
         )
         entering = tuple(per_row_block(x) for x in entering)
         numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
-        if not self.use_normalizer:
-            return (self._from_chunks(numerator, batch, length), None), state
-        denominator = ops.sum(scores, axis=-1) + ops.einsum(
-            "xcd,xd->xc", query, entering[1]
-        )
+        denominator = None
+        if self.use_normalizer:
+            denominator = ops.sum(scores, axis=-1) + ops.einsum(
+                "xcd,xd->xc", query, entering[1]
+            )
+        if readout or not self.use_normalizer:
+            outputs = self._readout(numerator, denominator)
+            outputs = self._from_chunks(outputs, batch, length)
+            return (outputs if readout else (outputs, None)), state
         # Rearranged together: a tensor of one feature would make PyTorch's
         # export specialize the length.
         outputs = self._from_chunks(
