@@ -59,7 +59,9 @@ from keras.src.layers.attention.linear_attention_test import _layer
 from keras.src.layers.attention.linear_attention_test import (
     _masked_hybrid_state,
 )
+from keras.src.layers.attention.linear_attention_test import _np_project
 from keras.src.layers.attention.linear_attention_test import _np_reference
+from keras.src.layers.attention.linear_attention_test import _np_weights
 from keras.src.layers.attention.linear_attention_test import _stream
 from keras.src.models import cloning
 from keras.src.utils import rng_utils
@@ -126,16 +128,6 @@ def _assert_close(actual, expected, rtol, msg=None):
         raise AssertionError(
             f"{msg or ''} max abs error {error:.3g} > {rtol:g} * {scale:.3g}"
         )
-
-
-def _np_weights(layer):
-    """The layer's weights in float64, by path within the layer."""
-    return {
-        v.path[len(layer.path) + 1 :]: np.asarray(
-            backend.convert_to_numpy(v), "float64"
-        )
-        for v in layer.weights
-    }
 
 
 def _np_softmax(x):
@@ -1411,13 +1403,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             variable.assign(scale * rng.normal(size=variable.shape))
         weights = _np_weights(base)
 
-        def project(name):
-            kernel, bias = weights[f"{name}/kernel"], weights[f"{name}/bias"]
-            return (
-                np.einsum("btm,mhd->bthd", x.astype("float64"), kernel) + bias
-            )
-
-        query, key, value = project("query"), project("key"), project("value")
+        query, key, value = (
+            _np_project(base, weights, x.astype("float64"), name)
+            for name in ("query", "key", "value")
+        )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / 2.0
         for causal in (False, True):
             if causal:
@@ -1798,13 +1787,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             variable.assign(scale * rng.normal(size=variable.shape))
         weights = _np_weights(base)
 
-        def project(name):
-            kernel, bias = weights[f"{name}/kernel"], weights[f"{name}/bias"]
-            return (
-                np.einsum("btm,mhd->bthd", x.astype("float64"), kernel) + bias
-            )
-
-        query, key, value = project("query"), project("key"), project("value")
+        query, key, value = (
+            _np_project(base, weights, x.astype("float64"), name)
+            for name in ("query", "key", "value")
+        )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(8.0)
         causal = np.tril(np.ones((length, length), bool))
         probabilities = _np_softmax(np.where(causal, scores, -np.inf))
