@@ -20,12 +20,24 @@ from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
 from keras.src.saving import serialization_lib
 
-_FEATURE_MAPS = ("elu_plus_one", "relu", "favor_plus", "hedgehog")
+_FEATURE_MAPS = (
+    "elu_plus_one",
+    "relu",
+    "favor_plus",
+    "hedgehog",
+    "random_fourier",
+)
 # Feature maps with their own size (`num_features`) and weights.
-_SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog")
+_SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog", "random_fourier")
+# Feature maps made of two halves (`num_features` is even).
+_PAIRED_FEATURE_MAPS = ("hedgehog", "random_fourier")
+_DECAY_SCHEDULES = ("retnet", "learned")
 # Cap on the exponents of FAVOR+ features, so that float32 sums of
 # `exp(60)`-sized features over many steps cannot overflow.
 _FAVOR_MAX_EXPONENT = 60.0
+# Added to |x|^2 where `"random_fourier"` divides x by its norm, so that a
+# zero query or key has finite gradients.
+_UNIT_EPSILON = 1e-12
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 
@@ -58,9 +70,11 @@ class LinearAttention(Layer):
             last dimension of `inputs`.
         feature_map: The feature map `phi` applied to queries and keys:
             `"elu_plus_one"` (default, `elu(x) + 1`), `"relu"`,
-            `"favor_plus"` (Performer random features estimating the
-            softmax kernel), `"hedgehog"` (a learnable softmax map), or a
-            registered callable or `Layer` returning non-negative features.
+            `"favor_plus"` (Performer features estimating the softmax
+            kernel), `"hedgehog"` (a learnable softmax map),
+            `"random_fourier"` (RFA: sines and cosines of the unit-norm
+            query or key, estimating a Gaussian kernel of learned
+            bandwidth), or a registered callable or `Layer`.
         use_normalizer: Boolean, whether to divide the outputs by
             `phi(q) . z + normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -87,12 +101,17 @@ class LinearAttention(Layer):
             `GroupedQueryAttention`; `num_heads` must be a multiple of it.
             Defaults to `num_heads`.
         num_features: Number of features of `"favor_plus"` (defaults to
-            `4 * key_dim`) and `"hedgehog"` (even; defaults to
-            `2 * key_dim`). The other maps have `key_dim` features.
+            `4 * key_dim`), `"hedgehog"` and `"random_fourier"` (even;
+            defaults to `2 * key_dim`). The other maps have `key_dim`
+            features.
         local_window: Optional positive integer `W`: exact softmax over the
             positions closer than `W` (causal: the last `W`, itself
             included), the feature map beyond, weighted by a trainable
             `far_log_scale` per head, under one normalizer.
+        decay: Causal layers only: the state's forgetting factor `gamma`
+            per step, a float in (0, 1], a list of one per key/value head,
+            `"retnet"` (`1 - 2^(-5 - h)` for head `h`) or `"learned"`
+            (trainable, starting at `"retnet"`). Defaults to `None`.
         projection_dtypes: Optional dict from projection names to dtype
             policies, written by `get_config()` for quantized projections.
 
@@ -194,6 +213,7 @@ class LinearAttention(Layer):
         num_key_value_heads=None,
         num_features=None,
         local_window=None,
+        decay=None,
         projection_dtypes=None,
         **kwargs,
     ):
@@ -263,11 +283,12 @@ class LinearAttention(Layer):
                     else 2 * self.key_dim
                 )
             num_features = _positive_int("num_features", num_features)
-            if feature_map == "hedgehog" and num_features % 2:
+            if feature_map in _PAIRED_FEATURE_MAPS and num_features % 2:
                 raise ValueError(
-                    "`num_features` must be even for "
-                    "feature_map='hedgehog' (the map returns a softmax over "
-                    "`[W x, -W x]`, twice the size of `W x`). Received: "
+                    f"`num_features` must be even for feature_map="
+                    f"{feature_map!r} (the map returns two halves: "
+                    "`[W x, -W x]` for 'hedgehog', sines and cosines for "
+                    "'random_fourier'). Received: "
                     f"num_features={num_features}"
                 )
         elif num_features is not None:
@@ -312,6 +333,13 @@ class LinearAttention(Layer):
             )
         self.normalization_epsilon = float(normalization_epsilon)
         self.causal = _boolean("causal", causal)
+        self.decay = _check_decay(decay, self.num_key_value_heads)
+        if self.decay is not None and not self.causal:
+            raise ValueError(
+                "`decay` needs `causal=True`: it weighs each step by how "
+                "long ago it was, which non-causal attention has no order "
+                f"for. Received: decay={decay!r}, causal={causal}"
+            )
         if not (_is_real(dropout) and 0 <= dropout < 1):
             raise ValueError(
                 "`dropout` must be a float in [0, 1). Received: "
@@ -424,15 +452,27 @@ class LinearAttention(Layer):
                 self.feature_map,
                 backend.KerasTensor(shape, self.accumulator_dtype),
             )
-        if self.feature_map == "favor_plus":
+        if self.feature_map in ("favor_plus", "random_fourier"):
             # Drawn with NumPy, so that a seed gives the same features on
             # every backend.
             self.random_features = self.add_weight(
                 name="random_features",
-                shape=(self.key_dim, self.num_features),
+                shape=(
+                    self.key_dim,
+                    self.num_features
+                    if self.feature_map == "favor_plus"
+                    else self.num_features // 2,
+                ),
                 initializer=self._draw_random_features,
                 trainable=False,
                 # The features are computed in the accumulator dtype.
+                autocast=False,
+            )
+        if self.feature_map == "random_fourier":
+            self.log_bandwidth = self.add_weight(
+                name="log_bandwidth",
+                shape=(key_value_heads,),
+                initializer="zeros",
                 autocast=False,
             )
         elif self.feature_map == "hedgehog":
@@ -455,6 +495,14 @@ class LinearAttention(Layer):
                 initializer="zeros",
                 autocast=False,
             )
+        if self.decay == "learned":
+            # gamma = sigmoid(decay_logit) stays in (0, 1).
+            self.decay_logit = self.add_weight(
+                name="decay_logit",
+                shape=(key_value_heads,),
+                initializer=_retnet_decay_logits,
+                autocast=False,
+            )
         self._dropout_layer = None
         if self.dropout > 0:
             self._dropout_layer = Dropout(
@@ -466,7 +514,7 @@ class LinearAttention(Layer):
         return ops.convert_to_tensor(features, dtype=dtype)
 
     def redraw_random_features(self, seed=None):
-        """Draws new FAVOR+ random features (`feature_map="favor_plus"`).
+        """Draws new random features (`"favor_plus"`, `"random_fourier"`).
 
         The random features are drawn once, when the layer is built, and
         then kept (they are saved with the model). Redrawing them during
@@ -480,14 +528,17 @@ class LinearAttention(Layer):
             seed: Optional non-negative integer. Defaults to a seed drawn
                 from NumPy's global generator.
         """
-        if self.feature_map != "favor_plus" or not self.built:
+        if (
+            self.feature_map not in ("favor_plus", "random_fourier")
+            or not self.built
+        ):
             raise ValueError(
                 "`redraw_random_features()` needs a built layer with "
-                "feature_map='favor_plus'. Received: "
+                "feature_map='favor_plus' or 'random_fourier'. Received: "
                 f"feature_map={self.feature_map!r}, built={self.built}"
             )
         features = _orthogonal_random_features(
-            self.key_dim, self.num_features, seed=_check_seed(seed)
+            *self.random_features.shape, seed=_check_seed(seed)
         )
         self.random_features.assign(
             ops.cast(features, self.random_features.dtype)
@@ -634,6 +685,19 @@ class LinearAttention(Layer):
             # sequence, which would break chunked runs.
             exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
             return ops.exp(exponent) * self.num_features**-0.5, log_scale
+        if self.feature_map == "random_fourier":
+            # sin and cos of w . x / sigma for the unit vector x, so that
+            # phi(q) . phi(k) estimates exp(-|q - k|^2 / (2 sigma^2)).
+            x = x / ops.sqrt(
+                ops.sum(ops.square(x), axis=-1, keepdims=True) + _UNIT_EPSILON
+            )
+            bandwidth = ops.exp(ops.cast(self.log_bandwidth, x.dtype))
+            if is_query:
+                bandwidth = ops.repeat(bandwidth, self._group_size, axis=0)
+            features = ops.cast(self.random_features, x.dtype)
+            x = ops.einsum("bthd,dm->bthm", x, features) / bandwidth[:, None]
+            features = ops.concatenate([ops.sin(x), ops.cos(x)], axis=-1)
+            return features * (self.num_features // 2) ** -0.5, None
         if self.feature_map == "hedgehog":
             kernel = ops.cast(self.feature_map_kernel, x.dtype)
             if is_query:
@@ -797,12 +861,17 @@ class LinearAttention(Layer):
             if not self.causal:
                 outputs = self._non_causal(query, key, value)
             elif self._use_recurrent(query):
+                sequences = (query, key, value)
+                if self.decay is not None:
+                    sequences += (
+                        self._step_decay(valid, ops.shape(key)[:3], dtype),
+                    )
                 outputs, state = self._recurrent(
-                    self._plain_step, state, (query, key, value)
+                    self._plain_step, state, sequences
                 )
             else:
                 outputs, state = self._parallel(
-                    query, key, value, state, readout=True
+                    query, key, value, state, valid, readout=True
                 )
         if mask is not None:
             # Nothing computed at padding reaches the output projection,
@@ -834,7 +903,32 @@ class LinearAttention(Layer):
     def _readout(self, numerator, denominator):
         if not self.use_normalizer:
             return numerator
+        if self.feature_map == "random_fourier":
+            # Its features can be negative, and so can an estimate of the
+            # normalizer; at least `normalization_epsilon` keeps it finite.
+            denominator = ops.relu(denominator)
         return numerator / (denominator[..., None] + self.normalization_epsilon)
+
+    def _log_decay(self, dtype):
+        """`log(gamma)` per key/value head, `(num_key_value_heads,)`."""
+        if self.decay == "learned":
+            # log(sigmoid(logit)), which stays finite for large logits.
+            logit = ops.cast(self.decay_logit, dtype)
+            return -ops.softplus(-logit)
+        if self.decay == "retnet":
+            gamma = _retnet_decays(self.num_key_value_heads)
+        else:
+            gamma = np.broadcast_to(
+                np.asarray(self.decay, "float64"), (self.num_key_value_heads,)
+            )
+        return ops.convert_to_tensor(np.log(gamma), dtype)
+
+    def _step_decay(self, valid, shape, dtype):
+        """`gamma` for each step and key/value head, 1 at masked steps."""
+        log_decay = ops.broadcast_to(self._log_decay(dtype), shape)
+        if valid is not None:
+            log_decay = log_decay * valid[:, :, None]
+        return ops.exp(log_decay)
 
     @property
     def _group_size(self):
@@ -868,12 +962,19 @@ class LinearAttention(Layer):
             denominator = ops.einsum("btkgd,bkd->btkg", query, key_sum)
         return self._merge_heads(self._readout(numerator, denominator))
 
-    def _linear_step(self, state, query_t, key_t, value_t):
+    def _linear_step(self, state, query_t, key_t, value_t, decay_t=None):
         """One step of the recurrence, from features of one time step.
 
-        Returns the state after step `t` and the numerator and denominator
-        of query `t`, per key/value head and query head in its group.
+        `decay_t`: `(batch, num_key_value_heads)` factors of the state
+        before the step is added, or `None`. Returns the state after step
+        `t` and the numerator and denominator of query `t`, per key/value
+        head and query head in its group.
         """
+        if decay_t is not None:
+            decay_t = decay_t[:, :, None]
+            state = (state[0] * decay_t[..., None],) + tuple(
+                s * decay_t for s in state[1:]
+            )
         query_t = self._split_heads(query_t)
         key_value = state[0] + ops.einsum("bkd,bke->bkde", key_t, value_t)
         numerator = ops.einsum("bkgd,bkde->bkge", query_t, key_value)
@@ -949,39 +1050,66 @@ class LinearAttention(Layer):
             x = x[:, :length]
         return x
 
-    def _parallel(self, query, key, value, initial_state, readout=False):
+    def _parallel(
+        self, query, key, value, initial_state, valid=None, readout=False
+    ):
         """The chunkwise form of `_recurrent` with `_linear_step`.
 
-        Returns the numerators and denominators of the queries, as
-        `(batch, time, heads, value_dim)` and `(batch, time, heads)`
-        (`None` without the normalizer), or with `readout` their ratios,
-        and the last state.
+        `valid`: the `(batch, time)` mask as 0/1 or `None`, which only
+        `decay` reads (masked steps do not decay the state). Returns the
+        numerators and denominators of the queries, as `(batch, time,
+        heads, value_dim)` and `(batch, time, heads)` (`None` without the
+        normalizer), or with `readout` their ratios, and the last state.
         """
         batch, length = ops.shape(query)[:2]
+        heads, group = self.num_key_value_heads, self._group_size
+        chunk = self._chunk_size
         # Zero keys and values pad to whole chunks without changing the
         # state; their outputs are cut.
-        query = self._to_chunks(query, self._group_size)
+        query = self._to_chunks(query, group)
         key, value = self._to_chunks(key, 1), self._to_chunks(value, 1)
-        # Inside a chunk: attention of step c to steps s <= c.
-        scores = ops.einsum("xcd,xsd->xcs", query, key)
-        shape = ops.shape(scores)
-        chunk = self._chunk_size
-        scores = ops.reshape(
-            ops.tril(ops.reshape(scores, (-1, self._group_size, chunk, chunk))),
-            shape,
-        )
-        numerator = ops.einsum("xcs,xse->xce", scores, value)
 
-        # Across chunks: the state entering each chunk is the initial state
-        # plus the summaries of all earlier chunks.
         def per_chunk(x):
-            return ops.reshape(
-                x, (batch, self.num_key_value_heads, -1) + tuple(x.shape[1:])
-            )
+            return ops.reshape(x, (batch, heads, -1) + tuple(x.shape[1:]))
 
         def per_row_block(x):
             return ops.reshape(x, (-1,) + tuple(x.shape[3:]))
 
+        # Inside a chunk: attention of step c to steps s <= c, by a lower
+        # triangular matrix of ones, or with decay of gamma^(steps from s
+        # to c).
+        scores = ops.einsum("xcd,xsd->xcs", query, key)
+        shape = ops.shape(scores)
+        scores = ops.reshape(scores, (-1, group, chunk, chunk))
+        decay = None
+        if self.decay is None:
+            scores = ops.tril(scores)
+        else:
+            log_decay = self._log_decay(query.dtype)
+
+            def powers(exponent):
+                """`gamma^exponent`: `(batch, chunks, ...)` -> row blocks."""
+                return per_row_block(_powers(log_decay, exponent))
+
+            # Unmasked steps up to each step of its chunk; float32 counts
+            # stay exact integers.
+            steps = ops.ones((batch, length)) if valid is None else valid
+            steps = _append_zeros(
+                ops.cast(steps, "float32"), _padding(length, chunk)
+            )
+            counts = ops.cumsum(ops.reshape(steps, (batch, -1, chunk)), -1)
+            elapsed = counts[..., :, None] - counts[..., None, :]
+            scores = scores * ops.tril(powers(ops.tril(elapsed)))[:, None]
+            # The entering state decays up to each query, and each key up
+            # to the end of its chunk.
+            query = query * ops.tile(powers(counts), (1, group))[..., None]
+            key = key * powers(counts[..., -1:] - counts)[..., None]
+            decay = (counts[..., -1], log_decay)
+        scores = ops.reshape(scores, shape)
+        numerator = ops.einsum("xcs,xse->xce", scores, value)
+
+        # Across chunks: the state entering each chunk is the initial state
+        # plus the summaries of all earlier chunks.
         summaries = (ops.einsum("xcd,xce->xde", key, value),)
         if self.use_normalizer:
             # Apart from the values: a column of ones appended to them makes
@@ -989,7 +1117,7 @@ class LinearAttention(Layer):
             summaries += (ops.sum(key, axis=1),)
         state, entering = zip(
             *(
-                _exclusive_prefix_sum(start, per_chunk(summary))
+                _exclusive_prefix_sum(start, per_chunk(summary), decay)
                 for start, summary in zip(initial_state, summaries)
             )
         )
@@ -1068,14 +1196,25 @@ class LinearAttention(Layer):
                 heads_first(x[:, :, :length]) for x in (keys, values)
             )
             features = self._feature(keys, is_query=False)[0]
-            return (
-                features * ops.expand_dims(valids[:, :length], (2, 3)),
-                values,
-            )
+            features = features * ops.expand_dims(valids[:, :length], (2, 3))
+            if self.decay is not None:
+                # Each key leaves the window decayed by the unmasked steps
+                # since it arrived, as in the state of the plain layer.
+                counts = ops.cumsum(ops.cast(valids, "float32"), axis=1)
+                later = counts[:, window:] - counts[:, :length]
+                powers = _powers(self._log_decay(dtype), later)
+                features = (
+                    features * ops.transpose(powers, (0, 2, 1))[..., None]
+                )
+            return features, values
 
         if self.causal and self._use_recurrent(query):
             step_inputs = (query, query_features, far_bias, key, value, valid)
             step_inputs += delayed(keys, values, valids)
+            if self.decay is not None:
+                step_inputs += (
+                    self._step_decay(valid, ops.shape(key)[:3], dtype),
+                )
             initial = tuple(state[:2]) + (
                 window_keys,
                 window_values,
@@ -1097,7 +1236,7 @@ class LinearAttention(Layer):
                 state[:2] if self.causal else self._zero_state(batch)[:2]
             )
             (far_numerator, far_denominator), far_state = self._parallel(
-                query_features, *delayed(keys, values, valids), far_state
+                query_features, *delayed(keys, values, valids), far_state, valid
             )
             numerator = numerator + far_numerator
             denominator = denominator + far_denominator
@@ -1387,6 +1526,7 @@ class LinearAttention(Layer):
             "num_key_value_heads": self.num_key_value_heads,
             "num_features": self.num_features,
             "local_window": self.local_window,
+            "decay": self.decay,
         }
         projection_dtypes = self._changed_projection_dtypes()
         if projection_dtypes:
@@ -1483,6 +1623,36 @@ def _check_batch_size(batch_size):
             f"integer tensor. Received: batch_size={batch_size!r}"
         )
     return batch_size
+
+
+def _check_decay(decay, num_key_value_heads):
+    """`decay` as `None`, a schedule's name, a float or a list of floats."""
+    if decay is None or (isinstance(decay, str) and decay in _DECAY_SCHEDULES):
+        return decay
+    if isinstance(decay, (list, tuple)):
+        values = list(decay) if len(decay) == num_key_value_heads else None
+    else:
+        values = [decay]
+    if values is None or not all(_is_real(g) and 0 < g <= 1 for g in values):
+        raise ValueError(
+            "`decay` must be `None`, a float in (0, 1], a list of "
+            f"num_key_value_heads={num_key_value_heads} such floats (one per "
+            "key/value head), 'retnet' or 'learned'. Received: "
+            f"decay={decay!r}"
+        )
+    values = [float(g) for g in values]
+    return values if isinstance(decay, (list, tuple)) else values[0]
+
+
+def _retnet_decays(num_key_value_heads):
+    """RetNet's decays, `1 - 2^(-5 - h)` for head `h`, in float64."""
+    return 1.0 - 2.0 ** (-5.0 - np.arange(num_key_value_heads))
+
+
+def _retnet_decay_logits(shape, dtype=None):
+    """`decay_logit` whose sigmoid is RetNet's decay per head."""
+    decays = _retnet_decays(shape[0])
+    return ops.convert_to_tensor(np.log(decays / (1.0 - decays)), dtype=dtype)
 
 
 def _positive_int(name, value):
@@ -1658,19 +1828,23 @@ def _orthogonal_random_features(key_dim, num_features, seed):
 _PREFIX_BLOCK = 16
 
 
-def _exclusive_prefix_sum(initial, summaries):
+def _exclusive_prefix_sum(initial, summaries, decay=None):
     """Exclusive prefix sum over chunks, started from `initial`.
 
     `summaries`: `(batch, heads, chunks, ...)`, one summary per chunk;
     `initial`: the `(batch, heads, ...)` state before the first chunk.
-    Returns the state after the last chunk and the states entering each
-    chunk (`initial` plus the summaries of the chunks before it).
+    `decay`: `None`, or the unmasked steps of each chunk, `(batch,
+    chunks)` in float32, and `log(gamma)` per head, `(heads,)`: the state
+    then decays by `gamma` per unmasked step. Returns the state after the
+    last chunk and the states entering each chunk (`initial` plus the
+    summaries of the chunks before it).
 
     Two levels and no loop over chunks: inside blocks of `_PREFIX_BLOCK`
-    chunks, a product with a strictly lower-triangular matrix of ones;
-    across blocks, a cumulative sum of the block totals. A product with
-    zeros is not causal for inf or nan summaries, which only unmasked
-    non-finite inputs give.
+    chunks, a product with a strictly lower-triangular matrix (of ones,
+    or of the decay from one chunk to another); across blocks, a
+    cumulative sum of the block totals (with decay, a product with a
+    lower-triangular matrix). A product with zeros is not causal for inf
+    or nan summaries, which only unmasked non-finite inputs give.
     """
     shape = ops.shape(summaries)
     rows = shape[0] * shape[1]
@@ -1687,35 +1861,85 @@ def _exclusive_prefix_sum(initial, summaries):
     # The blocks as one batch axis: PyTorch's `einsum` runs one batched
     # product (`ops.matmul` demotes float64 to float32 on PyTorch).
     blocks = ops.reshape(summaries, (-1, block, features))
-    strictly_lower = ops.broadcast_to(
-        ops.tril(ops.ones((block, block), summaries.dtype), -1),
-        (ops.shape(blocks)[0], block, block),
-    )
-    within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
-    within = ops.reshape(within, ops.shape(summaries))
-    # Entering each block, and after the last: initial + earlier blocks.
-    totals = ops.concatenate(
-        [ops.reshape(initial, (rows, 1, features)), ops.sum(summaries, 2)],
-        axis=1,
-    )
-    if backend.backend() == "torch":
-        # Workaround: `ops.cumsum` demotes float64 to float32 on PyTorch.
-        # TODO: use `ops.cumsum` once upstream keeps float64 there.
-        import torch
+    state_shape = ops.shape(initial)
+    initial = ops.reshape(initial, (rows, 1, features))
+    if decay is None:
+        strictly_lower = ops.broadcast_to(
+            ops.tril(ops.ones((block, block), summaries.dtype), -1),
+            (ops.shape(blocks)[0], block, block),
+        )
+        within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
+        within = ops.reshape(within, ops.shape(summaries))
+        # Entering each block, and after the last: initial + earlier blocks.
+        totals = ops.concatenate([initial, ops.sum(summaries, 2)], axis=1)
+        if backend.backend() == "torch":
+            # Workaround: `ops.cumsum` demotes float64 to float32 on
+            # PyTorch.
+            # TODO: use `ops.cumsum` once upstream keeps float64 there.
+            import torch
 
-        totals = torch.cumsum(totals, dim=1)
+            totals = torch.cumsum(totals, dim=1)
+        else:
+            totals = ops.cumsum(totals, axis=1)
+        # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows
+        # a slice in the wrong place.
+        entering = within + ops.expand_dims(totals[:, :-1], 2)
     else:
-        totals = ops.cumsum(totals, axis=1)
-    # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
-    # slice in the wrong place.
-    entering = within + ops.expand_dims(totals[:, :-1], 2)
+        counts, log_decay = decay
+
+        def powers(exponent):
+            """`gamma^exponent`: `(batch, ...)` -> `(rows, ...)`."""
+            powers = _powers(log_decay, exponent)
+            return ops.reshape(powers, (rows,) + tuple(powers.shape[2:]))
+
+        counts = _append_zeros(counts, padding)
+        counts = ops.reshape(counts, (shape[0], -1, block))
+        # Unmasked steps in the block up to and before each chunk.
+        after = ops.cumsum(counts, axis=-1)
+        before = after - counts
+        elapsed = before[..., :, None] - after[..., None, :]
+        strictly_lower = ops.tril(powers(ops.tril(elapsed, -1)), -1)
+        within = ops.einsum(
+            "xij,xjf->xif",
+            ops.reshape(strictly_lower, (-1, block, block)),
+            blocks,
+        )
+        within = ops.reshape(within, ops.shape(summaries))
+        block_totals = ops.sum(
+            summaries * powers(after[..., -1:] - after)[..., None], axis=2
+        )
+        totals = ops.concatenate([initial, block_totals], axis=1)
+        # Unmasked steps up to the end of each block (none for `initial`).
+        ends = ops.cumsum(
+            ops.concatenate(
+                [ops.zeros_like(after[:, :1, -1]), after[:, :, -1]], axis=1
+            ),
+            axis=1,
+        )
+        elapsed = ends[:, :, None] - ends[:, None, :]
+        lower = ops.tril(powers(ops.tril(elapsed)))
+        totals = ops.einsum("xij,xjf->xif", lower, totals)
+        entering = within + powers(before)[..., None] * ops.expand_dims(
+            totals[:, :-1], 2
+        )
     entering = ops.reshape(entering, (rows, -1, features))
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
     return (
-        ops.reshape(totals[:, -1], ops.shape(initial)),
+        ops.reshape(totals[:, -1], state_shape),
         ops.reshape(entering, shape),
     )
+
+
+def _powers(log_decay, exponent):
+    """`gamma^exponent` per head, `exp(exponent * log(gamma))`.
+
+    `log_decay`: `(heads,)`; `exponent`: `(batch, ...)` counts of steps.
+    Returns `(batch, heads, ...)` in the dtype of `log_decay`.
+    """
+    exponent = ops.cast(ops.expand_dims(exponent, 1), log_decay.dtype)
+    log_decay = ops.reshape(log_decay, (-1,) + (1,) * (len(exponent.shape) - 2))
+    return ops.exp(exponent * log_decay)
 
 
 def _padding(size, multiple):
