@@ -1890,7 +1890,7 @@ def _exclusive_prefix_sum(initial, summaries, decay=None):
         def powers(exponent):
             """`gamma^exponent`: `(batch, ...)` -> `(rows, ...)`."""
             powers = _powers(log_decay, exponent)
-            return ops.reshape(powers, (rows,) + tuple(powers.shape[2:]))
+            return ops.reshape(powers, (-1,) + tuple(ops.shape(powers)[2:]))
 
         counts = _append_zeros(counts, padding)
         counts = ops.reshape(counts, (shape[0], -1, block))
