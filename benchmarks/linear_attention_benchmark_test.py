@@ -12,8 +12,10 @@ import sys
 import numpy as np
 import pytest
 from linear_attention import cases
+from linear_attention import cli
 from linear_attention import config
 from linear_attention import decode
+from linear_attention import report
 from linear_attention import targets
 
 from keras.src import backend
@@ -54,8 +56,11 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             "recurrent",
             "favor_plus",
             "grouped",
+            "random_fourier",
             "hybrid_64",
             "hybrid_512",
+            "decay_retnet",
+            "decay_learned",
             "mha",
             "floor",
         }
@@ -80,7 +85,7 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
         # --smoke: one timing per point (the count each row records).
         self.assertTrue(all(row["repeats"] == 1 for row in results["times"]))
         # The variants run causal and non-causal, forward and backward.
-        for layer in ("favor_plus", "grouped"):
+        for layer in ("favor_plus", "grouped", "random_fourier"):
             self.assertEqual(
                 {
                     (row["causal"], row["mode"])
@@ -93,8 +98,13 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                     for mode in ("forward", "forward+backward")
                 },
             )
-        # The hybrids run causal, forward and backward.
-        for layer in ("hybrid_64", "hybrid_512"):
+        # The hybrids and the decays run causal, forward and backward.
+        for layer in (
+            "hybrid_64",
+            "hybrid_512",
+            "decay_retnet",
+            "decay_learned",
+        ):
             self.assertEqual(
                 {
                     (row["causal"], row["mode"])
@@ -103,12 +113,21 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
                 },
                 {(True, "forward"), (True, "forward+backward")},
             )
+        # --smoke: the memory of LinearAttention and MultiHeadAttention.
         self.assertEqual(
-            {row["layer"] for row in results["memory"]},
-            {"auto", "hybrid_64", "hybrid_512", "mha"},
+            {row["layer"] for row in results["memory"]}, {"auto", "mha"}
         )
         steps = {row["layer"]: row for row in results["decode"]}
-        decoded = ("linear", "favor_plus", "grouped", "hybrid_64", "hybrid_512")
+        decoded = (
+            "linear",
+            "favor_plus",
+            "grouped",
+            "random_fourier",
+            "hybrid_64",
+            "hybrid_512",
+            "decay_retnet",
+            "decay_learned",
+        )
         self.assertEqual(set(steps), {*decoded, "mha"})
         self.assertTrue(all(row["ms"] > 0 for row in steps.values()))
         self.assertTrue(all(row["repeats"] >= 1 for row in steps.values()))
@@ -127,6 +146,16 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             steps["favor_plus"]["state_bytes"],
             4 * steps["linear"]["state_bytes"],
         )
+        # 2 * key_dim random Fourier features (sines and cosines).
+        self.assertEqual(
+            steps["random_fourier"]["state_bytes"],
+            2 * steps["linear"]["state_bytes"],
+        )
+        # Decay scales the plain state: the same size.
+        for layer in ("decay_retnet", "decay_learned"):
+            self.assertEqual(
+                steps[layer]["state_bytes"], steps["linear"]["state_bytes"]
+            )
         # The hybrids: the plain state, plus the keys and values of the
         # last W positions and which of them are valid, float32.
         for window in (64, 512):
@@ -147,6 +176,9 @@ class LinearAttentionBenchmarkTest(testing.TestCase):
             "grouped state",
             "| hybrid_512 |",
             "hybrid_512 state",
+            "| random_fourier |",
+            "| decay_retnet |",
+            "decay_learned state",
         ):
             self.assertIn(column, table)
         self.assertIn("| MHA, KV cache (ms) |", table)
@@ -254,7 +286,7 @@ class BenchmarkLogicTest(testing.TestCase):
         (time_16k,) = [
             line
             for line in lines
-            if "LinearAttention, causal forward, T=16k" in line
+            if "MHA / LinearAttention, causal forward, T=16k" in line
         ]
         self.assertIn("MHA out of memory; linear 40 ms (>= 10: ok)", time_16k)
         (memory,) = [line for line in lines if "peak memory" in line]
@@ -268,7 +300,7 @@ class BenchmarkLogicTest(testing.TestCase):
         (time_16k,) = [
             line
             for line in lines
-            if "LinearAttention, causal forward, T=16k" in line
+            if "MHA / LinearAttention, causal forward, T=16k" in line
         ]
         self.assertIn("not measured: MHA failed: ValueError", time_16k)
         self.assertIn("(>= 10: ?)", time_16k)
@@ -294,6 +326,119 @@ class BenchmarkLogicTest(testing.TestCase):
         lines = targets.targets_table({"jax": results}).splitlines()
         (speed,) = [line for line in lines if "MHA / hybrid_512" in line]
         self.assertIn("MHA out of memory; hybrid_512 20 ms (>= 3: ok)", speed)
+
+    def test_option_targets_against_the_plain_layer(self):
+        # Each option against `auto` at 16k, forward and forward+backward,
+        # and against `linear`'s decode step at position 16k.
+        rows = []
+        for layer, forward, backward in (
+            ("auto", 10.0, 40.0),
+            ("decay_retnet", 11.0, 44.0),
+            ("decay_learned", 12.0, 52.0),
+            ("random_fourier", 13.0, 46.0),
+        ):
+            for mode, ms in (
+                ("forward", forward),
+                ("forward+backward", backward),
+            ):
+                rows.append(
+                    {
+                        "layer": layer,
+                        "length": 16384,
+                        "causal": True,
+                        "mode": mode,
+                        "ms": ms,
+                    }
+                )
+        decode = [
+            {"layer": layer, "position": position, "ms": ms}
+            for layer, position, ms in (
+                ("linear", 1024, 9.0),
+                ("linear", 16384, 1.0),
+                ("decay_retnet", 16384, 1.1),
+                ("decay_learned", 16384, 1.15),
+                ("random_fourier", 16384, 1.5),
+            )
+        ]
+        results = {"times": rows, "memory": [], "decode": decode}
+
+        def cells(table, kind, measure):
+            (line,) = [
+                line
+                for line in table.splitlines()
+                if line.startswith(f"| {kind} / LinearAttention, {measure} |")
+            ]
+            return line.split(" | ")[1:]
+
+        table = targets.targets_table({"jax": results})
+        expected = {
+            ("decay_retnet", "causal forward, T=16k"): "1.10 (<= 1.2: ok) |",
+            ("decay_retnet", "causal fwd+bwd, T=16k"): "1.10 (<= 1.2: ok) |",
+            ("decay_retnet", "decode step at 16k"): "1.10 (<= 1.2: ok) |",
+            ("decay_learned", "causal forward, T=16k"): "1.20 (<= 1.2: ok) |",
+            ("decay_learned", "causal fwd+bwd, T=16k"): (
+                "1.30 (<= 1.2: MISSED) |"
+            ),
+            ("decay_learned", "decode step at 16k"): "1.15 (<= 1.2: ok) |",
+            ("random_fourier", "causal forward, T=16k"): (
+                "1.30 (<= 1.2: MISSED) |"
+            ),
+            ("random_fourier", "causal fwd+bwd, T=16k"): "1.15 (<= 1.2: ok) |",
+            ("random_fourier", "decode step at 16k"): (
+                "1.50 (<= 1.2: MISSED) |"
+            ),
+        }
+        for (kind, measure), cell in expected.items():
+            self.assertEqual(cells(table, kind, measure), [cell])
+        # PyTorch's torch.compile column compares the eager kinds too, as
+        # the options have no compiled kinds.
+        compiled = [dict(row, ms=1.0) for row in rows if row["layer"] == "auto"]
+        for row in compiled:
+            row["layer"] = "auto" + config.COMPILED_SUFFIX
+        results["times"] = rows + compiled
+        table = targets.targets_table({"torch": results})
+        self.assertEqual(
+            cells(table, "decay_retnet", "causal forward, T=16k"),
+            ["1.10 (<= 1.2: ok)", "1.10 (<= 1.2: ok) |"],
+        )
+        # Not measured: no value.
+        results = {"times": rows[:2], "memory": [], "decode": []}
+        table = targets.targets_table({"jax": results})
+        self.assertEqual(
+            cells(table, "random_fourier", "decode step at 16k"),
+            ["n/a (<= 1.2: ?) |"],
+        )
+
+    def test_memory_table_has_a_column_per_measured_kind(self):
+        memory = [
+            {"layer": kind, "length": 128, "peak_mb": peak}
+            for kind, peak in zip(config.MEMORY_KINDS, (1.0, 2.0, 3.0, 4.0))
+        ]
+        lines = report._memory_table("jax", memory)
+        self.assertIn(
+            "| T | LinearAttention | hybrid_64 | hybrid_512 | "
+            "MultiHeadAttention |",
+            lines,
+        )
+        self.assertIn("| 128 | 1.0 | 2.0 | 3.0 | 4.0 |", lines)
+
+    def test_kinds_option(self):
+        parser = cli._parser()
+        args = parser.parse_args(
+            ["--kinds", "decay_retnet", "auto", "--lengths", "4096"]
+        )
+        self.assertEqual(args.kinds, ["decay_retnet", "auto"])
+        # The run's description names the kinds, as the results record it.
+        self.assertIn(", kinds decay_retnet auto", cli._plan(args)[3])
+        self.assertIsNone(parser.parse_args([]).kinds)
+        with self.assertRaises(SystemExit):
+            parser.parse_args(["--kinds", "decay"])
+        # Memory: every measured kind; --smoke: two, of those selected.
+        self.assertEqual(cli._memory_kinds(args), ["decay_retnet", "auto"])
+        smoke = parser.parse_args(["--smoke"])
+        self.assertEqual(cli._memory_kinds(smoke), ["auto", "mha"])
+        smoke = parser.parse_args(["--smoke", "--kinds", "mha", "hybrid_64"])
+        self.assertEqual(cli._memory_kinds(smoke), ["mha"])
 
 
 class CachedSelfAttentionTest(testing.TestCase):

@@ -2,8 +2,8 @@
 Title: Hybrid attention: a softmax window with linear attention beyond it
 Author: keras.layers.LinearAttention contributors
 Date created: 2026/11/30
-Last modified: 2026/11/30
-Description: Train linear, hybrid (local_window) and softmax attention on a task that needs exact recent recall and long-range context.
+Last modified: 2026/12/02
+Description: Train linear, decaying (decay), hybrid (local_window) and softmax attention on a task that needs exact recent recall and long-range context.
 Accelerator: None
 """
 
@@ -21,10 +21,19 @@ through the feature map to every older position; both parts share one
 normaliser, and a trainable per-head weight (`far_log_scale`) sets how much
 the far part counts in it.
 
+Another way to favour recent tokens is to let the state forget:
+`LinearAttention(..., decay="learned")` multiplies the state by a
+trainable factor `gamma` per head at every step,
+`S_t = gamma * S_(t-1) + phi(k_t)^T v_t`, so that a key `n` steps back
+weighs `gamma^n` (RetNet's retention). It starts at RetNet's schedule,
+`gamma_h = 1 - 2^(-5 - h)`, and training moves it; the state keeps its
+size.
+
 In this example we:
 
 1. build small causal models that differ only in their attention
-   layer: `LinearAttention(causal=True)`, the hybrid
+   layer: `LinearAttention(causal=True)`, the decaying
+   `LinearAttention(causal=True, decay="learned")`, the hybrid
    `LinearAttention(causal=True, local_window=W)` (twice: with its
    default start and with a balanced one), and
    `MultiHeadAttention(use_causal_mask=True)`;
@@ -171,6 +180,7 @@ NUM_BLOCKS = 2
 
 KINDS = {
     "linear": "LinearAttention",
+    "decay_learned": 'LinearAttention, decay="learned"',
     "hybrid": f"LinearAttention, local_window={WINDOW}",
     "hybrid_balanced": f"  same, far_log_scale -log({KEY_DIM})",
     "softmax": "MultiHeadAttention",
@@ -182,9 +192,13 @@ def make_attention(kind, name):
         return layers.MultiHeadAttention(
             num_heads=NUM_HEADS, key_dim=KEY_DIM, name=name
         )
-    window = {"local_window": WINDOW} if kind.startswith("hybrid") else {}
+    options = {}
+    if kind.startswith("hybrid"):
+        options["local_window"] = WINDOW
+    if kind == "decay_learned":
+        options["decay"] = "learned"
     return layers.LinearAttention(
-        num_heads=NUM_HEADS, key_dim=KEY_DIM, causal=True, name=name, **window
+        num_heads=NUM_HEADS, key_dim=KEY_DIM, causal=True, name=name, **options
     )
 
 
@@ -302,6 +316,12 @@ for kind, title in KINDS.items():
             scale = model.get_layer(f"attention_{i}").far_log_scale
             scale = keras.ops.convert_to_numpy(scale)
             print(f"  attention_{i} far_log_scale per head: {scale.round(2)}")
+    if kind == "decay_learned":
+        # The forgetting factor per head, as learned: gamma = sigmoid(logit).
+        for i in range(NUM_BLOCKS):
+            logit = model.get_layer(f"attention_{i}").decay_logit
+            gamma = keras.ops.convert_to_numpy(keras.ops.sigmoid(logit))
+            print(f"  attention_{i} decay gamma per head: {gamma.round(4)}")
 
 """
 ## Accuracy side by side
@@ -349,17 +369,18 @@ for part in ("recall", "copy"):
     if softmax - linear > 0.05:
         closed = [
             (final[kind] - linear) / (softmax - linear)
-            for kind in ("hybrid", "hybrid_balanced")
+            for kind in ("hybrid", "hybrid_balanced", "decay_learned")
         ]
         print(
             f"{part}: the hybrid closes {100 * closed[0]:.0f}% of the gap "
             "between LinearAttention and MultiHeadAttention "
-            f"({100 * closed[1]:.0f}% with the balanced start)."
+            f"({100 * closed[1]:.0f}% with the balanced start); "
+            f'decay="learned" closes {100 * closed[2]:.0f}%.'
         )
     else:
         print(
             f"{part}: LinearAttention ends within 0.05 of "
-            "MultiHeadAttention, no gap for the hybrid to close."
+            "MultiHeadAttention, no gap for the hybrid or decay to close."
         )
 
 """
@@ -429,6 +450,12 @@ backend, the seed and the number of epochs. What to look for:
   attention here, expect the hybrid to fall short too: that part of the
   gap is the price of a state of fixed size, and a window does not buy it
   back.
+- **Decay** (`decay="learned"`): the state forgets at a learned rate, so
+  recent tokens weigh more, with the plain layer's state size.
+  Recency is what the copy needs, while the pairs of the recall part lie
+  far behind the queries, where a `gamma` below 1 fades them; the printed
+  `gamma` per head shows which way training moved each head from its
+  RetNet start. Compare its row with the plain layer's on both parts.
 - **Balance**: both parts share one normaliser, weighted by the learned
   `far_log_scale` printed after training. The window only counts once the
   far part's weight is on the scale of the window's softmax terms. With

@@ -52,7 +52,8 @@ class Projections(keras.layers.Layer):
 def make_layer(kind, causal, execution_mode="parallel"):
     """A layer of `kind`; `execution_mode` applies to `config.VARIANTS` only.
 
-    `config.HYBRIDS` run in the default mode, `"auto"`, as `"auto"` does.
+    `config.HYBRIDS` and `config.DECAYS` run in the default mode, `"auto"`,
+    as `"auto"` does.
     """
     kind = kind.removesuffix(config.COMPILED_SUFFIX)
     if kind in ("auto", "parallel", "recurrent"):
@@ -76,6 +77,13 @@ def make_layer(kind, causal, execution_mode="parallel"):
             config.HEAD_DIM,
             causal=causal,
             local_window=config.HYBRIDS[kind],
+        )
+    if kind in config.DECAYS:
+        return keras.layers.LinearAttention(
+            config.NUM_HEADS,
+            config.HEAD_DIM,
+            causal=causal,
+            decay=config.DECAYS[kind],
         )
     if kind == "mha":
         return SelfAttention(causal)

@@ -86,7 +86,20 @@ def _plan(args):
             run_kind += "lengths " + " ".join(map(str, lengths))
     repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 5)
     run_kind += f", {repeats} repeat{'s' if repeats > 1 else ''}"
+    if args.kinds:
+        run_kind += ", kinds " + " ".join(args.kinds)
     return lengths, positions, repeats, run_kind
+
+
+def _memory_kinds(args):
+    """The kinds whose memory `run` measures; `None` for all."""
+    if not args.smoke:
+        return args.kinds
+    return [
+        kind
+        for kind in config.SMOKE_MEMORY_KINDS
+        if args.kinds is None or kind in args.kinds
+    ]
 
 
 def run(args):
@@ -115,7 +128,7 @@ def run(args):
         with open(path) as file:
             results = json.load(file)
         results["memory"] = memory.measure_memory(
-            lengths, log, args.memory_limit_gb
+            lengths, log, args.memory_limit_gb, kinds=_memory_kinds(args)
         )
         report.write(results, args.out)
         return
@@ -141,8 +154,11 @@ def run(args):
             repeats,
             log,
             variant_lengths=lengths[-1:] if args.quick else None,
+            kinds=args.kinds,
         ),
-        "decode": decode.measure_decode(positions, repeats, log),
+        "decode": decode.measure_decode(
+            positions, repeats, log, kinds=args.kinds
+        ),
         "memory": (
             []
             if args.no_memory
@@ -150,6 +166,7 @@ def run(args):
                 lengths[-1:] if args.quick else lengths,
                 log,
                 args.memory_limit_gb,
+                kinds=_memory_kinds(args),
             )
         ),
     }
@@ -178,9 +195,23 @@ def _parser():
         "point; most targets need the full lengths (4k, 16k) and show n/a",
     )
     parser.add_argument(
-        "--smoke", action="store_true", help="one tiny point, for tests"
+        "--smoke",
+        action="store_true",
+        help="one tiny point of every kind (memory: "
+        + " and ".join(config.SMOKE_MEMORY_KINDS)
+        + "), for tests",
     )
     parser.add_argument("--lengths", type=_positive_int, nargs="+")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=config.TIME_KINDS + config.COMPILED_KINDS,
+        metavar="KIND",
+        help="time, decode and measure the memory of these kinds only "
+        "(decode: `linear` for auto, the KV cache for mha; the *_compiled "
+        "kinds are PyTorch's); of: "
+        + ", ".join(config.TIME_KINDS + config.COMPILED_KINDS),
+    )
     parser.add_argument("--repeats", type=_positive_int)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument(

@@ -13,16 +13,21 @@ MEMORY_LIMIT_GB = 18
 VARIANTS = {
     "favor_plus": {"feature_map": "favor_plus"},
     "grouped": {"num_key_value_heads": 2},
+    "random_fourier": {"feature_map": "random_fourier"},
 }
 # Hybrid LinearAttention: `local_window` W, exact softmax over the last W
 # positions and linear attention beyond; "auto", causal, at every length.
 HYBRIDS = {"hybrid_64": 64, "hybrid_512": 512}
+# LinearAttention with a decaying state (`decay`), which needs `causal=True`;
+# "auto", causal, at every length, as the plain layer they are compared to.
+DECAYS = {"decay_retnet": "retnet", "decay_learned": "learned"}
 TIME_KINDS = (
     "auto",
     "parallel",
     "recurrent",
     *VARIANTS,
     *HYBRIDS,
+    *DECAYS,
     "mha",
     "floor",
 )
@@ -30,9 +35,20 @@ TIME_KINDS = (
 COMPILED_SUFFIX = "_compiled"
 COMPILED_KINDS = tuple(k + COMPILED_SUFFIX for k in ("auto", "mha", "floor"))
 # "linear": the default LinearAttention, which the variants step like.
-DECODE_LAYERS = ("linear", *VARIANTS, *HYBRIDS)
+DECODE_LAYERS = ("linear", *VARIANTS, *HYBRIDS, *DECAYS)
 # The layers whose peak memory is measured.
 MEMORY_KINDS = ("auto", *HYBRIDS, "mha")
+# `--smoke` measures the memory of these only: each point is a fresh
+# process, the slowest part of a smoke run, and the other kinds' points run
+# the same code on layers that its timings build already.
+SMOKE_MEMORY_KINDS = ("auto", "mha")
 # The kinds timed causal only: non-causal attention has one algorithm,
-# timed as "auto", and the hybrids are timed in the mode they stream in.
-CAUSAL_ONLY_KINDS = ("parallel", "recurrent", *HYBRIDS, *COMPILED_KINDS)
+# timed as "auto", the hybrids are timed in the mode they stream in, and
+# decay exists in causal layers only.
+CAUSAL_ONLY_KINDS = (
+    "parallel",
+    "recurrent",
+    *HYBRIDS,
+    *DECAYS,
+    *COMPILED_KINDS,
+)

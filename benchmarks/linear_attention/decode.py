@@ -99,14 +99,21 @@ def _cached_step(layer, token, key_cache, value_cache, index):
     return run
 
 
-def measure_decode(positions, repeats, log):
+def measure_decode(positions, repeats, log, kinds=None):
     """Step latency and carried bytes of each decode layer per position.
 
     At each position softmax attention's cache holds `position + 1` slots,
     the prefix and the new token: a longer cache would cost its full length
-    at every step, the masked slots included.
+    at every step, the masked slots included. `kinds`: the timed kinds
+    whose layers step (`"auto"` for `"linear"`, `"mha"` for the cache);
+    `None` for all.
     """
     backend = keras.backend.backend()
+
+    def selected(name):
+        kind = "auto" if name == "linear" else name
+        return kinds is None or kind in kinds
+
     # "auto" takes the recurrent path for one step, the parallel one for
     # the prefix that builds the state.
     layers = {
@@ -114,6 +121,7 @@ def measure_decode(positions, repeats, log):
             "auto" if name == "linear" else name, True, execution_mode="auto"
         )
         for name in config.DECODE_LAYERS
+        if selected(name)
     }
     attention = keras.layers.MultiHeadAttention(
         config.NUM_HEADS, config.HEAD_DIM
@@ -130,6 +138,8 @@ def measure_decode(positions, repeats, log):
             sizes = {"state_bytes": sum(s.nbytes for s in state)}
             step = _linear_step(layer, token, state)
             steps.append((position, name, step, sizes))
+        if not selected("mha"):
+            continue
         key_cache, value_cache = _key_value_cache(attention, prefix)
         sizes = {"kv_cache_bytes": key_cache.nbytes + value_cache.nbytes}
         step = _cached_step(cached, token, key_cache, value_cache, position)

@@ -28,7 +28,7 @@ RETURNING_MALLOC = {
 }
 
 
-def measure_memory(lengths, log, limit_gb=config.MEMORY_LIMIT_GB):
+def measure_memory(lengths, log, limit_gb=config.MEMORY_LIMIT_GB, kinds=None):
     """Peak memory of each of `config.MEMORY_KINDS` per length.
 
     PyTorch: the growth of the resident set during one warmed-up step.
@@ -36,12 +36,15 @@ def measure_memory(lengths, log, limit_gb=config.MEMORY_LIMIT_GB):
     assignment without its inputs, read from its compilation dump, because
     their allocators reuse buffers kept from earlier steps, which hides
     the step's own growth of the resident set (kept as `rss_growth_mb`).
-    The plan exists even where running the step then fails.
+    The plan exists even where running the step then fails. `kinds`: the
+    timed kinds whose memory to measure; `None` for all.
     """
     backend = keras.backend.backend()
     xla = backend in ("tensorflow", "jax")
     rows = []
     for kind in config.MEMORY_KINDS:
+        if kinds is not None and kind not in kinds:
+            continue
         for length in lengths:
             command = [
                 sys.executable,

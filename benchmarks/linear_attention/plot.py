@@ -11,6 +11,9 @@ TIME_STYLES = (
     ("grouped", "v-"),
     ("hybrid_64", "<-"),
     ("hybrid_512", ">-"),
+    ("random_fourier", "x-"),
+    ("decay_retnet", "P-"),
+    ("decay_learned", "X-"),
     ("mha", "^-"),
     ("floor", "k--"),
     ("auto_compiled", "o--"),
@@ -22,6 +25,9 @@ DECODE_LABELS = (
     ("grouped", "grouped (2 key/value heads)"),
     ("hybrid_64", "hybrid_64 (local_window 64)"),
     ("hybrid_512", "hybrid_512 (local_window 512)"),
+    ("random_fourier", "random_fourier"),
+    ("decay_retnet", 'decay_retnet (decay="retnet")'),
+    ("decay_learned", 'decay_learned (decay="learned")'),
     ("mha", "MHA (KV cache)"),
 )
 MEMORY_LABELS = (
@@ -86,7 +92,7 @@ def _plot_times(axis, rows):
         ylabel="ms",
         title="causal forward time",
     )
-    axis.legend()
+    _legend(axis)
 
 
 def _plot_memory(axis, memory):
@@ -117,7 +123,7 @@ def _plot_memory(axis, memory):
         ylabel="MB",
         title="peak memory, forward+backward",
     )
-    axis.legend()
+    _legend(axis)
 
 
 def _plot_decode(axis, decode):
@@ -134,4 +140,10 @@ def _plot_decode(axis, decode):
         ylabel="ms per token",
         title="decode step latency",
     )
-    axis.legend()
+    _legend(axis)
+
+
+def _legend(axis):
+    """The legend of `axis`, if it has lines (`--no-memory` leaves none)."""
+    if axis.get_lines():
+        axis.legend()

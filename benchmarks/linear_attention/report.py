@@ -46,11 +46,14 @@ def markdown(results):
         "",
         "Time in ms (median). `auto`/`parallel`/`recurrent`: "
         "LinearAttention; `favor_plus`: LinearAttention with "
-        '`feature_map="favor_plus"` (256 random features) and `grouped`: '
+        '`feature_map="favor_plus"` (256 random features), `grouped`: '
         "with `num_key_value_heads=2` (8 query heads share 2 key/value "
-        'heads), both `execution_mode="parallel"`; `hybrid_64`, '
+        'heads) and `random_fourier`: with `feature_map="random_fourier"` '
+        '(128 features), all `execution_mode="parallel"`; `hybrid_64`, '
         "`hybrid_512`: with `local_window` 64 or 512 (exact softmax over "
         "the last W positions, linear attention beyond), causal only; "
+        '`decay_retnet`, `decay_learned`: with `decay="retnet"` or '
+        '`"learned"` (a decaying state), causal only; '
         "`mha`: MultiHeadAttention; `floor`: the four projections alone; "
         "`*_compiled` (PyTorch): the same under `torch.compile`. "
         "MultiHeadAttention is timed after the other kinds at each length.",
@@ -173,8 +176,9 @@ def _decode_table(decode):
         "",
         "Step latency in ms (median): LinearAttention from its carried state "
         "(`initial_state`; `linear`: the default map, `favor_plus`, "
-        "`grouped`, and the hybrids, whose state holds the last W keys "
-        "and values), MultiHeadAttention from a key/value cache of "
+        "`grouped`, `random_fourier`, the hybrids, whose state holds the "
+        "last W keys and values, and the decays), MultiHeadAttention from "
+        "a key/value cache of "
         "position + 1 slots, written in place at the position. State: the "
         "bytes each LinearAttention carries between steps (batch 1, "
         "float32, the same at every position); KV cache: the bytes of "

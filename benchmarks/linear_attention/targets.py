@@ -17,6 +17,20 @@ TARGETS = [
     ("MHA / hybrid_512, causal forward, T=16k", (3, 3, 3), "min"),
     ("hybrid_512 decode step latency, 16k / 1k", (1.15, 1.15, 1.15), "max"),
 ]
+# Options of the layer whose cost should stay near the plain layer's: each
+# against `auto` (decode: `linear`) at the longest length and position.
+OPTION_KINDS = ("decay_retnet", "decay_learned", "random_fourier")
+OPTION_BOUND = 1.2
+OPTION_MEASURES = (
+    "causal forward, T=16k",
+    "causal fwd+bwd, T=16k",
+    "decode step at 16k",
+)
+TARGETS += [
+    (f"{kind} / LinearAttention, {measure}", (OPTION_BOUND,) * 3, "max")
+    for kind in OPTION_KINDS
+    for measure in OPTION_MEASURES
+]
 
 
 def ratio(a, b):
@@ -146,8 +160,8 @@ def _memory_16k(memory):
 def target_values(results, suffix=""):
     """The values of `TARGETS`; `suffix` selects the compiled kinds.
 
-    Recurrent / parallel, memory, decode and the hybrid use the eager
-    kinds always.
+    Recurrent / parallel, memory, decode, the hybrid and the options
+    (`OPTION_KINDS`) use the eager kinds always.
     """
     rows, memory, decode = (
         results["times"],
@@ -155,7 +169,7 @@ def target_values(results, suffix=""):
         results["decode"],
     )
     auto, mha, floor = ("auto" + suffix, "mha" + suffix, "floor" + suffix)
-    return [
+    values = [
         ratio(time_of(rows, auto, 4096), time_of(rows, floor, 4096)),
         ratio(time_of(rows, mha, 4096), time_of(rows, auto, 4096)),
         _time_16k(rows, auto, mha),
@@ -175,6 +189,16 @@ def target_values(results, suffix=""):
             _step(decode, "hybrid_512", 1024),
         ),
     ]
+    for kind in OPTION_KINDS:
+        values += [
+            ratio(time_of(rows, kind, 16384), time_of(rows, "auto", 16384)),
+            ratio(
+                time_of(rows, kind, 16384, mode="forward+backward"),
+                time_of(rows, "auto", 16384, mode="forward+backward"),
+            ),
+            ratio(_step(decode, kind, 16384), _step(decode, "linear", 16384)),
+        ]
+    return values
 
 
 def targets_table(all_results):

@@ -45,8 +45,11 @@ def _turns(kind):
     )
 
 
-def measure_times(lengths, repeats, log, variant_lengths=None):
+def measure_times(lengths, repeats, log, variant_lengths=None, kinds=None):
     """Times of every kind; of `VARIANTS` at `variant_lengths` (or all).
+
+    `kinds`: the kinds to time, of `TIME_KINDS` and `COMPILED_KINDS`
+    (PyTorch's only there); `None` for all.
 
     At each length the kinds of a group (see `_turns`) run in turns, one
     call each per round, so that a slow phase of the machine slows every
@@ -55,19 +58,21 @@ def measure_times(lengths, repeats, log, variant_lengths=None):
     just before, slow the next kind down; so have PyTorch's compiled kinds.
     """
     backend = keras.backend.backend()
-    kinds = config.TIME_KINDS
+    timed = config.TIME_KINDS
     if backend == "torch":
         import torch
 
-        kinds += config.COMPILED_KINDS
+        timed += config.COMPILED_KINDS
         # One graph per kind, mode and length, more than the default limit
         # past which `torch.compile` silently falls back to eager.
         torch._dynamo.config.cache_size_limit = 64
+    if kinds is not None:
+        timed = tuple(kind for kind in timed if kind in kinds)
     rows = []
     for causal in (True, False):
         for mode in ("forward", "forward+backward"):
             layers = {}
-            for kind in kinds:
+            for kind in timed:
                 if causal or kind not in config.CAUSAL_ONLY_KINDS:
                     layers[kind] = cases.make_layer(kind, causal)
                     layers[kind](cases.inputs(8))
