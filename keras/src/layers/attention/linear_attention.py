@@ -293,8 +293,9 @@ class LinearAttention(Layer):
                 )
         elif num_features is not None:
             raise ValueError(
-                "`num_features` only applies to feature_map='favor_plus' "
-                "or 'hedgehog'; the other feature maps keep `key_dim` "
+                "`num_features` only applies to feature_map='favor_plus', "
+                "'hedgehog' or 'random_fourier'; the other feature maps keep "
+                "`key_dim` "
                 f"features. Received: num_features={num_features!r} with "
                 f"feature_map={feature_map!r}"
             )
@@ -321,6 +322,21 @@ class LinearAttention(Layer):
                 "output projection, so that long or large inputs give inf "
                 "outputs. Use `use_normalizer=True` or a bfloat16 policy "
                 "such as `mixed_bfloat16`.",
+                stacklevel=2,
+            )
+        if (
+            self.feature_map == "random_fourier"
+            and self.use_normalizer
+            and self.compute_dtype == "float16"
+        ):
+            warnings.warn(
+                "`LinearAttention` with feature_map='random_fourier' and a "
+                "float16 compute dtype: where the estimate of the normalizer "
+                "is zero or negative, the normalizer is clamped at "
+                "`normalization_epsilon` and the attention outputs can "
+                "exceed float16's range (inf), which is more likely with "
+                "few features or a small bandwidth. Use a bfloat16 policy "
+                "such as `mixed_bfloat16`, or float32.",
                 stacklevel=2,
             )
         if not (
