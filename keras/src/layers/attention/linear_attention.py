@@ -712,7 +712,16 @@ class LinearAttention(Layer):
                 bandwidth = ops.repeat(bandwidth, self._group_size, axis=0)
             features = ops.cast(self.random_features, x.dtype)
             x = ops.einsum("bthd,dm->bthm", x, features) / bandwidth[:, None]
-            features = ops.concatenate([ops.sin(x), ops.cos(x)], axis=-1)
+            sin, cos = ops.sin, ops.cos
+            if backend.backend() == "jax":
+                # Workaround: JAX's `ops.sin` and `ops.cos` return float32
+                # for float64 inputs.
+                # TODO: use `ops.sin` and `ops.cos` once upstream keeps
+                # float64 there.
+                import jax.numpy as jnp
+
+                sin, cos = jnp.sin, jnp.cos
+            features = ops.concatenate([sin(x), cos(x)], axis=-1)
             return features * (self.num_features // 2) ** -0.5, None
         if self.feature_map == "hedgehog":
             kernel = ops.cast(self.feature_map_kernel, x.dtype)

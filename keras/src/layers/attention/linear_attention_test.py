@@ -41,8 +41,10 @@ QUANTIZED_TOL = {"int8": 5e-2, "int4": 0.3}
 BATCH, LENGTH, INPUT_DIM = 2, 70, 8
 NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
 # Feature maps and head layouts; "grouped" has 4 query heads on one
-# key/value head, "grouped_hedgehog" 4 on 2 (a learnable map per
-# key/value head).
+# key/value head, "grouped_hedgehog" and "grouped_random_fourier" 4 on 2
+# (a learnable map or bandwidth per key/value head). Random Fourier
+# features estimate the normalizer, which can come near 0, where the
+# outputs would scale rounding by 1 / epsilon: hence a larger epsilon.
 CONFIGS = {
     "elu_plus_one": {},
     "relu": {"feature_map": "relu"},
@@ -53,6 +55,13 @@ CONFIGS = {
         "num_heads": 4,
         "num_key_value_heads": 2,
         "feature_map": "hedgehog",
+    },
+    "grouped_random_fourier": {
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "feature_map": "random_fourier",
+        "num_features": 8,
+        "normalization_epsilon": 0.1,
     },
 }
 
@@ -90,7 +99,21 @@ def _layer(config=None, build=True, **kwargs):
             kernel = layer.feature_map_kernel
             noise = np.random.RandomState(4).normal(size=kernel.shape)
             kernel.assign(backend.convert_to_numpy(kernel) + 0.5 * noise)
+        if layer.feature_map == "random_fourier":
+            # Bandwidths other than 1 and per key/value head, so that a
+            # missing or misassigned bandwidth shows.
+            _shift(layer.log_bandwidth, -0.5, 0.5, seed=5)
+        if layer.decay == "learned":
+            # Away from the RetNet start (gamma near 1), so that a wrong
+            # mapping from `decay_logit` to gamma shows.
+            _shift(layer.decay_logit, -2.5, -1.0, seed=6)
     return layer
+
+
+def _shift(variable, low, high, seed):
+    """Adds uniform noise in `[low, high)` to `variable`."""
+    noise = np.random.RandomState(seed).uniform(low, high, variable.shape)
+    variable.assign(backend.convert_to_numpy(variable) + noise)
 
 
 def _np_weights(layer):
@@ -120,6 +143,15 @@ def _np_feature(layer, weights, y, is_query, hybrid=False):
         return np.where(y > 0, y + 1.0, np.exp(np.minimum(y, 0.0)))
     if layer.feature_map == "relu":
         return np.maximum(y, 0.0) + layer.normalization_epsilon
+    if layer.feature_map == "random_fourier":
+        # sqrt(1/m) [sin, cos] of w . x / sigma for the unit vector x; head
+        # i uses the bandwidth of its key/value head.
+        y = y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-12)
+        sigma = np.exp(weights["log_bandwidth"])
+        sigma = sigma[np.arange(y.shape[2]) * len(sigma) // y.shape[2]]
+        y = y @ weights["random_features"] / sigma[:, None]
+        frequencies = weights["random_features"].shape[1]
+        return np.concatenate([np.sin(y), np.cos(y)], -1) / np.sqrt(frequencies)
     if layer.feature_map == "hedgehog":
         # Head i uses the matrix of its key/value head.
         kernel = weights["feature_map_kernel"]
@@ -140,6 +172,26 @@ def _np_feature(layer, weights, y, is_query, hybrid=False):
     return np.exp(exponent) / np.sqrt(projection.shape[1])
 
 
+def _np_decay(layer, weights):
+    """gamma per key/value head in float64 (ones without decay)."""
+    heads = layer.num_key_value_heads
+    if layer.decay is None:
+        return np.ones(heads)
+    if layer.decay == "learned":
+        return 1.0 / (1.0 + np.exp(-weights["decay_logit"]))
+    if layer.decay == "retnet":
+        return 1.0 - 2.0 ** (-5.0 - np.arange(heads))
+    return np.broadcast_to(np.asarray(layer.decay, "float64"), (heads,))
+
+
+def _np_normalize(layer, numerator, denominator):
+    """`numerator / (denominator + epsilon)`, per (..., heads)."""
+    if layer.feature_map == "random_fourier":
+        # Its features, and so its normalizer, can be negative: clamped.
+        denominator = np.maximum(denominator, 0.0)
+    return numerator / (denominator[..., None] + layer.normalization_epsilon)
+
+
 def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     """Outputs and final state of `layer`, from the formulas in float64.
 
@@ -147,7 +199,6 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     """
     w = _np_weights(layer)
     x = np.asarray(x, "float64")
-    epsilon = layer.normalization_epsilon
 
     def phi(y, is_query):
         if feature is not None:
@@ -166,19 +217,35 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     value = value * valid[..., None, None]
     key_value = np.einsum("bthd,bthe->bthde", key, value)
     if layer.causal:
-        # S_i and z_i sum over j <= i, from the initial state.
-        s, z = np.cumsum(key_value, axis=1), np.cumsum(key, axis=1)
+        # The recurrence S_t = gamma^m_t S_{t-1} + phi(k_t)^T v_t (z_t
+        # likewise) from the initial state, where m_t is 0 at masked steps
+        # (zero keys and values there): they neither add nor decay.
+        s_t, z_t = np.zeros(key_value[:, 0].shape), np.zeros(key[:, 0].shape)
         if initial_state is not None:
-            s = s + np.repeat(initial_state[0], group, 1)[:, None]
+            initial_state = [
+                np.asarray(backend.convert_to_numpy(s), "float64")
+                for s in initial_state
+            ]
+            s_t = np.repeat(initial_state[0], group, 1)
             if layer.use_normalizer:
-                z = z + np.repeat(initial_state[1], group, 1)[:, None]
+                z_t = np.repeat(initial_state[1], group, 1)
+        gamma = np.where(
+            valid[..., None], np.repeat(_np_decay(layer, w), group), 1
+        )
+        s, z = [], []
+        for t in range(x.shape[1]):
+            s_t = gamma[:, t, :, None, None] * s_t + key_value[:, t]
+            z_t = gamma[:, t, :, None] * z_t + key[:, t]
+            s.append(s_t)
+            z.append(z_t)
+        s, z = np.stack(s, axis=1), np.stack(z, axis=1)
     else:
         s = np.sum(key_value, axis=1, keepdims=True)
         z = np.sum(key, axis=1, keepdims=True)
     heads = np.einsum("bthd,bthde->bthe", query, s)
     if layer.use_normalizer:
         denominator = np.einsum("bthd,bthd->bth", query, z)
-        heads = heads / (denominator[..., None] + epsilon)
+        heads = _np_normalize(layer, heads, denominator)
     outputs = np.einsum("bthe,heo->bto", heads, w["attention_output/kernel"])
     if layer.use_bias:
         outputs = outputs + w["attention_output/bias"]
@@ -243,6 +310,23 @@ def _np_hybrid_reference(layer, x, mask=None, initial_state=None):
 
     # Query head i attends with key/value head i // group.
     group = layer.num_heads // layer.num_key_value_heads
+    # With decay, the far part of query t weighs key j by gamma^(unmasked
+    # steps in (j, t]), and the far state carried in by gamma^(unmasked
+    # steps up to t): the plain layer's decayed sum, restricted to the far
+    # keys. `seen[:, i]`: unmasked steps before key i.
+    log_decay = np.log(_np_decay(layer, w))
+    seen = np.concatenate([np.zeros((batch, 1)), np.cumsum(valid, 1)], 1)
+    seen_by_query = seen[:, carried + 1 :]
+    far_decay = np.exp(
+        np.repeat(log_decay, group)[:, None, None]
+        * np.maximum(
+            seen_by_query[:, None, :, None] - seen[:, None, None, 1:], 0
+        )
+    )
+    state_decay = np.exp(
+        np.repeat(log_decay, group)[:, None]
+        * (seen_by_query - seen[:, carried : carried + 1])[:, None]
+    )
 
     def heads(y):
         return np.repeat(y, group, axis=2)
@@ -259,7 +343,8 @@ def _np_hybrid_reference(layer, x, mask=None, initial_state=None):
     key_features = _np_feature(layer, w, key, False)
     far_weights = np.where(
         far,
-        np.einsum("bthf,bjhf->bhtj", query_features, heads(key_features)),
+        np.einsum("bthf,bjhf->bhtj", query_features, heads(key_features))
+        * far_decay,
         0.0,
     )
     # exp(a_h - m_t), (batch, heads, query).
@@ -271,26 +356,33 @@ def _np_hybrid_reference(layer, x, mask=None, initial_state=None):
         # The far state carried in is far for every query.
         far_kv = np.repeat(far_kv, group, axis=1)
         far_k = np.repeat(far_k, group, axis=1)
+        scale = far_scale * state_decay
         numerator = numerator + np.einsum(
-            "bht,bthf,bhfe->bthe", far_scale, query_features, far_kv
+            "bht,bthf,bhfe->bthe", scale, query_features, far_kv
         )
         denominator = denominator + np.einsum(
-            "bht,bthf,bhf->bht", far_scale, query_features, far_k
+            "bht,bthf,bhf->bht", scale, query_features, far_k
         )
-    denominator = denominator.transpose(0, 2, 1)[..., None]
-    outputs = numerator / (denominator + layer.normalization_epsilon)
+    outputs = _np_normalize(layer, numerator, denominator.transpose(0, 2, 1))
     outputs = np.einsum("bthe,heo->bto", outputs, w["attention_output/kernel"])
     if layer.use_bias:
         outputs = outputs + w["attention_output/bias"]
     outputs = outputs * valid[:, carried:, None]
     if not layer.causal:
         return outputs, None
-    # Every key but the last `window` has left the window.
+    # Every key but the last `window` has left the window, decayed by the
+    # unmasked steps after it, and the far state carried in by those of the
+    # inputs.
+    after = seen[:, -1:] - seen[:, 1:]
     left = key_features[:, :-window] * valid[:, :-window, None, None]
+    left = left * np.exp(log_decay * after[:, :-window, None])[..., None]
+    carried_decay = np.exp(
+        log_decay * (seen[:, -1:] - seen[:, carried : carried + 1])
+    )
     state = (
-        far_kv[:, ::group]
+        far_kv[:, ::group] * carried_decay[..., None, None]
         + np.einsum("bjhf,bjhe->bhfe", left, value[:, :-window]),
-        far_k[:, ::group] + np.sum(left, axis=1),
+        far_k[:, ::group] * carried_decay[..., None] + np.sum(left, axis=1),
         key[:, -window:].transpose(0, 2, 1, 3),
         value[:, -window:].transpose(0, 2, 1, 3),
         valid[:, -window:].astype("float64"),
@@ -390,12 +482,12 @@ def _gradients(layer, x, upstream, **call_kwargs):
 
 
 def _gradients_with_state(layer, x, initial_state, upstream, **call_kwargs):
-    """Gradients of `sum(layer(x) * upstream)` from a hybrid state.
+    """Gradients of `sum(layer(x) * upstream)` from a state.
 
-    W.r.t. `x`, the first four state elements (`window_valid` is a flag)
+    W.r.t. `x`, the state elements but a hybrid's `window_valid` (a flag)
     and the trainable weights.
     """
-    flags = initial_state[4]
+    flags = tuple(initial_state[4:])
     if backend.backend() == "jax":
         import jax
 
@@ -406,7 +498,7 @@ def _gradients_with_state(layer, x, initial_state, upstream, **call_kwargs):
                 trainable,
                 non_trainable,
                 x,
-                initial_state=tuple(state) + (flags,),
+                initial_state=tuple(state) + flags,
                 **call_kwargs,
             )
             return jax.numpy.sum(y.astype("float32") * upstream)
@@ -426,7 +518,7 @@ def _gradients_with_state(layer, x, initial_state, upstream, **call_kwargs):
         state = [tf.convert_to_tensor(s) for s in initial_state[:4]]
         with tf.GradientTape() as tape:
             tape.watch([x] + state)
-            y = layer(x, initial_state=tuple(state) + (flags,), **call_kwargs)
+            y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
             loss = tf.reduce_sum(tf.cast(y, "float32") * upstream)
         variables = [v.value for v in layer.trainable_variables]
         grads = tape.gradient(loss, [x] + state + variables)
@@ -437,7 +529,7 @@ def _gradients_with_state(layer, x, initial_state, upstream, **call_kwargs):
         state = [torch.tensor(s, requires_grad=True) for s in initial_state[:4]]
         y = layer(
             x,
-            initial_state=tuple(state) + (torch.tensor(flags),),
+            initial_state=tuple(state) + tuple(map(torch.tensor, flags)),
             **call_kwargs,
         ).float()
         loss = torch.sum(y * torch.tensor(upstream))
@@ -511,6 +603,13 @@ class LinearAttentionTest(testing.TestCase):
         ("hedgehog", {"feature_map": "hedgehog"}, 9),
         ("grouped", {"causal": True, "num_key_value_heads": 1}, 8),
         ("hybrid", {"causal": True, "local_window": 3}, 9),
+        ("decay", {"causal": True, "decay": "learned"}, 9),
+        (
+            "random_fourier",
+            {"feature_map": "random_fourier", "seed": 3},
+            9,
+            1,
+        ),
     )
     def test_basics(self, init_kwargs, num_weights, num_non_trainable=0):
         self.run_layer_test(
@@ -568,6 +667,27 @@ class LinearAttentionTest(testing.TestCase):
         kernel = hedgehog.feature_map_kernel
         self.assertIn(kernel, hedgehog.trainable_weights)
         self.assertAllEqual(kernel, np.stack([np.eye(3)] * 2))
+        # Random Fourier features: half of `num_features` frequencies (for
+        # sines and cosines), shared by all heads and not trained, and a
+        # trainable log-bandwidth per key/value head, starting at 0.
+        fourier = _layer("grouped_random_fourier", build=False)
+        fourier.build((None, None, INPUT_DIM))
+        shapes = {
+            v.path.split("/", 1)[1]: tuple(v.shape) for v in fourier.weights
+        }
+        self.assertEqual(shapes["random_features"], (3, 4))
+        self.assertEqual(shapes["log_bandwidth"], (2,))
+        self.assertEqual(
+            fourier.non_trainable_weights, [fourier.random_features]
+        )
+        self.assertIn(fourier.log_bandwidth, fourier.trainable_weights)
+        self.assertAllEqual(fourier.log_bandwidth, np.zeros(2))
+        # The state holds all `num_features` (sines and cosines).
+        state = _layer("grouped_random_fourier", causal=True, build=False)
+        self.assertEqual(
+            [tuple(s.shape) for s in state.get_initial_state(3)],
+            [(3, 2, 8, 5), (3, 2, 8)],
+        )
 
     def test_get_config(self):
         # Every constructor argument, at a value other than its default, is
@@ -595,6 +715,7 @@ class LinearAttentionTest(testing.TestCase):
             "seed": 3,
             "num_key_value_heads": 2,
             "num_features": 6,
+            "decay": [0.5, 0.9],
         }
         # `projection_dtypes` is written only for quantized projections
         # (see test_quantize); `local_window` refuses `use_normalizer=False`
@@ -726,6 +847,35 @@ class LinearAttentionTest(testing.TestCase):
             {"local_window": 8, "use_normalizer": False},
             "local_window",
         ),
+        (
+            "num_features_odd_random_fourier",
+            {"feature_map": "random_fourier", "num_features": 7},
+            "num_features",
+            "=7",
+        ),
+        ("decay_non_causal", {"decay": 0.9}, "decay", "=0.9"),
+        ("decay_zero", {"decay": 0.0, "causal": True}, "decay", "=0.0"),
+        ("decay_above_one", {"decay": 1.5, "causal": True}, "decay", "=1.5"),
+        ("decay_nan", {"decay": float("nan"), "causal": True}, "decay", "=nan"),
+        ("decay_bool", {"decay": True, "causal": True}, "decay", "=True"),
+        (
+            "decay_list_length",
+            {"decay": [0.9], "causal": True},
+            "decay",
+            r"=\[0.9\]",
+        ),
+        (
+            "decay_list_value",
+            {"decay": [0.9, -0.5], "causal": True},
+            "decay",
+            r"=\[0.9, -0.5\]",
+        ),
+        (
+            "decay_string",
+            {"decay": "linear", "causal": True},
+            "decay",
+            "='linear'",
+        ),
     )
     def test_invalid_arguments(self, kwargs, name, value=""):
         # `value`: how the message shows the received value.
@@ -807,21 +957,7 @@ class LinearAttentionTest(testing.TestCase):
                 layer.execution_mode = mode
                 self.assertAllEqual(layer(x, mask=mask), y, msg=mode)
             return
-        rng = np.random.RandomState(3)
-        initial_state = tuple(
-            rng.uniform(1, 2, size=s.shape).astype("float32")
-            for s in layer.get_initial_state(BATCH)
-        )
-        expected, expected_state = _np_reference(layer, x, mask, initial_state)
-        for mode in ("recurrent", "parallel"):
-            layer.execution_mode = mode
-            y, state = layer(
-                x, mask=mask, initial_state=initial_state, return_state=True
-            )
-            self.assertClose(y, expected, msg=mode)
-            self.assertLen(state, len(expected_state))
-            for actual, reference in zip(state, expected_state):
-                self.assertClose(actual, reference, msg=mode)
+        self._assert_causal_matches_reference(layer, x, mask)
 
     @parameterized.named_parameters(
         ("elu_plus_one", "elu_plus_one", {}),
@@ -830,6 +966,11 @@ class LinearAttentionTest(testing.TestCase):
         ("hedgehog", "hedgehog", {}),
         ("grouped", "grouped", {}),
         ("grouped_hedgehog", "grouped_hedgehog", {}),
+        (
+            "decay_learned_grouped_random_fourier",
+            "grouped_random_fourier",
+            {"decay": "learned"},
+        ),
     )
     def test_full_chunked_and_token_by_token_agree(self, config, kwargs):
         # Two chunks of the parallel algorithm, the second one partial;
@@ -864,6 +1005,12 @@ class LinearAttentionTest(testing.TestCase):
         ("favor_plus_unnormalized", "favor_plus", {"use_normalizer": False}),
         ("hedgehog", "hedgehog", {}),
         ("grouped_hedgehog", "grouped_hedgehog", {}),
+        ("decay", None, {"decay": 0.9}),
+        (
+            "decay_learned_grouped_random_fourier",
+            "grouped_random_fourier",
+            {"decay": "learned"},
+        ),
     )
     @pytest.mark.requires_trainable_backend
     def test_parallel_and_recurrent_gradients_agree(self, config, kwargs):
@@ -874,20 +1021,33 @@ class LinearAttentionTest(testing.TestCase):
             config, causal=True, execution_mode="recurrent", **kwargs
         )
         recurrent.set_weights(parallel.get_weights())
+        rng = np.random.RandomState(3)
+        state = tuple(
+            rng.uniform(1, 2, size=s.shape).astype("float32")
+            for s in parallel.get_initial_state(BATCH)
+        )
         # Masked steps hold NaN: it must reach neither outputs nor
         # gradients.
         mask = np.ones((BATCH, LENGTH), bool)
         mask[1, 10:20] = False
         x = np.where(mask[..., None], _inputs(), np.nan).astype("float32")
         upstream = _inputs(seed=5)
-        self.assertClose(parallel(x, mask=mask), recurrent(x, mask=mask))
-        expected = _gradients(recurrent, x, upstream, mask=mask)
-        actual = _gradients(parallel, x, upstream, mask=mask)
-        self.assertLen(actual, 1 + len(parallel.trainable_variables))
-        for a, e in zip(actual, expected):
-            # Every weight is trained, e.g. the Hedgehog kernel too.
-            self.assertTrue(np.all(np.isfinite(a)) and np.any(a))
-            self.assertClose(a, e, GRADIENT_TOL)
+        self.assertClose(
+            parallel(x, mask=mask, initial_state=state),
+            recurrent(x, mask=mask, initial_state=state),
+        )
+        expected = _gradients_with_state(
+            recurrent, x, state, upstream, mask=mask
+        )
+        actual = _gradients_with_state(parallel, x, state, upstream, mask=mask)
+        self.assertLen(
+            actual, 1 + len(state) + len(parallel.trainable_variables)
+        )
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            # Every input, state element and weight is trained, e.g. the
+            # Hedgehog kernel and the decay too.
+            self.assertTrue(np.all(np.isfinite(a)) and np.any(a), msg=i)
+            self.assertClose(a, e, GRADIENT_TOL, msg=i)
 
     # Masks.
 
@@ -1045,9 +1205,17 @@ class LinearAttentionTest(testing.TestCase):
         ("grouped_hedgehog", "grouped_hedgehog", True),
         ("hybrid_causal_favor_plus", "favor_plus", True, 5),
         ("hybrid_non_causal_grouped", "grouped", False, 3),
+        ("random_fourier", "grouped_random_fourier", False),
+        ("decay_learned", "grouped_hedgehog", True, None, {"decay": "learned"}),
+        ("decay_retnet", "relu", True, None, {"decay": "retnet"}),
+        ("hybrid_decay_per_head", None, True, 5, {"decay": [0.9, 0.5]}),
     )
-    def test_save_load_and_clone(self, config, causal, local_window=None):
-        layer = _layer(config, causal=causal, local_window=local_window)
+    def test_save_load_and_clone(
+        self, config, causal, local_window=None, kwargs=None
+    ):
+        layer = _layer(
+            config, causal=causal, local_window=local_window, **(kwargs or {})
+        )
         if local_window is not None:
             # Away from its initial value, so that a lost weight shows.
             _assign_far_log_scale(layer)
@@ -1128,11 +1296,21 @@ class LinearAttentionTest(testing.TestCase):
         # Streamed inference matches full inference.
         self.assertClose(_stream(layer, x, [30, 40])[0], inference)
 
+    @parameterized.named_parameters(
+        ("plain", {}, 12, 4),
+        # The decay logits and the bandwidths train beside the adapters.
+        (
+            "decay_random_fourier",
+            {"decay": "learned", "feature_map": "random_fourier"},
+            14,
+            5,
+        ),
+    )
     @pytest.mark.requires_trainable_backend
-    def test_lora(self):
+    def test_lora(self, kwargs, num_trainable, num_non_trainable):
         x = _inputs()
         inputs = layers.Input((None, INPUT_DIM))
-        layer = _layer(causal=True, build=False)
+        layer = _layer(causal=True, build=False, **kwargs)
         model = models.Model(inputs, layer(inputs))
         before = model(x)
         for dense in (
@@ -1144,8 +1322,8 @@ class LinearAttentionTest(testing.TestCase):
             dense.enable_lora(2)
         # Per projection: the bias and the two adapters train, the kernel
         # is frozen; the adapters start at zero.
-        self.assertLen(layer.trainable_weights, 12)
-        self.assertLen(layer.non_trainable_weights, 4)
+        self.assertLen(layer.trainable_weights, num_trainable)
+        self.assertLen(layer.non_trainable_weights, num_non_trainable)
         self.assertAllClose(model(x), before)
         model.compile(optimizer="sgd", loss="mse")
         model.fit(x, np.ones((BATCH, LENGTH, INPUT_DIM)), epochs=2, verbose=0)
@@ -1157,7 +1335,7 @@ class LinearAttentionTest(testing.TestCase):
         # The weights file loads into a model without LoRA.
         path = os.path.join(self.get_temp_dir(), "lora.weights.h5")
         model.save_weights(path)
-        plain = models.Model(inputs, _layer(causal=True)(inputs))
+        plain = models.Model(inputs, _layer(causal=True, **kwargs)(inputs))
         plain.load_weights(path)
         self.assertAllClose(plain(x), expected)
 
@@ -1330,12 +1508,16 @@ class LinearAttentionTest(testing.TestCase):
             LinearAttention(2, 4, use_normalizer=False, dtype="mixed_bfloat16")
             LinearAttention(2, 4, dtype="mixed_float16")
 
-    @parameterized.named_parameters(("non_causal", False), ("causal", True))
+    @parameterized.named_parameters(
+        ("non_causal", False),
+        ("causal", True),
+        ("causal_decay", True, {"decay": "learned"}),
+    )
     @pytest.mark.skipif(
         backend.backend() in ("numpy", "openvino"),
         reason="These backends compute float64 layers in float32.",
     )
-    def test_float64(self, causal):
+    def test_float64(self, causal, kwargs=None):
         # A large epsilon, so that the configured value shows in the
         # normalizer and in the relu map.
         with _float64_enabled():
@@ -1345,10 +1527,11 @@ class LinearAttentionTest(testing.TestCase):
                     causal=causal,
                     dtype="float64",
                     normalization_epsilon=0.5,
+                    **(kwargs or {}),
                 )
-                x = _inputs(dtype="float64")
-                expected, expected_state = _np_reference(layer, x)
-                outputs = layer(x, return_state=causal)
+                x, mask = _inputs(dtype="float64"), _hybrid_mask()
+                expected, expected_state = _np_reference(layer, x, mask)
+                outputs = layer(x, mask=mask, return_state=causal)
                 y, state = outputs if causal else (outputs, ())
                 self.assertDType(y, "float64")
                 self.assertClose(y, expected, FLOAT64_TOL, msg=config)
@@ -1356,33 +1539,45 @@ class LinearAttentionTest(testing.TestCase):
                     self.assertDType(actual, "float64")
                     self.assertClose(actual, reference, FLOAT64_TOL)
 
-    # FAVOR+ random features.
+    # Random features (FAVOR+ and random Fourier features).
 
-    def test_favor_plus_random_features(self):
-        layer = _layer(feature_map="favor_plus", num_features=8, seed=1)
-        features = backend.convert_to_numpy(layer.random_features)
-        self.assertFalse(layer.random_features.trainable)
-        # Drawn with NumPy from the seed: the same on every backend.
-        self.assertAllClose(
-            features[:, :4],
+    @parameterized.named_parameters(
+        (
+            "favor_plus",
+            "favor_plus",
             [
                 [0.12399566, 2.31347941, -0.39258433, 0.51338501],
                 [-0.46757301, 0.35820687, -0.92949766, -1.28542236],
                 [-0.1926589, 0.61961084, 2.0031738, 1.0452387],
             ],
-            atol=1e-6,
-        )
+        ),
+        (
+            "random_fourier",
+            "random_fourier",
+            [
+                [0.19602582, 1.5882773, -0.57917292, 0.15411815],
+                [-0.73919026, 0.24592042, -1.37127194, -0.38588371],
+                [-0.30457614, 0.42538258, 2.95524793, 0.31378059],
+            ],
+        ),
+    )
+    def test_random_features(self, feature_map, expected):
+        layer = _layer(feature_map=feature_map, num_features=8, seed=1)
+        features = backend.convert_to_numpy(layer.random_features)
+        self.assertFalse(layer.random_features.trainable)
+        # Drawn with NumPy from the seed: the same on every backend.
+        self.assertAllClose(features[:, :4], expected, atol=1e-6)
         # Orthogonal directions within each block of key_dim features.
         for block in (features[:, :3], features[:, 3:6]):
             gram = block.T @ block
             self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-5)
-        other = _layer(feature_map="favor_plus", num_features=8, seed=2)
+        other = _layer(feature_map=feature_map, num_features=8, seed=2)
         self.assertNotAllClose(other.random_features, features)
         # Without a seed, the features follow keras.utils.set_random_seed.
         drawn = []
         for _ in range(2):
             rng_utils.set_random_seed(11)
-            unseeded = _layer(feature_map="favor_plus", seed=None)
+            unseeded = _layer(feature_map=feature_map, seed=None)
             drawn.append(backend.convert_to_numpy(unseeded.random_features))
         self.assertAllEqual(drawn[0], drawn[1])
         # Redrawing is explicit, from a seed or not.
@@ -1393,12 +1588,249 @@ class LinearAttentionTest(testing.TestCase):
         self.assertNotAllClose(layer(x), before)
         layer.redraw_random_features()
         self.assertNotAllClose(layer.random_features, other.random_features)
+        # Redrawn features are saved with the model, not drawn again from
+        # the seed when it loads.
+        inputs = layers.Input((None, INPUT_DIM))
+        model = models.Model(inputs, layer(inputs))
+        path = os.path.join(self.get_temp_dir(), "redrawn.keras")
+        model.save(path)
+        loaded = saving.load_model(path).layers[1]
+        self.assertAllEqual(loaded.random_features, layer.random_features)
+        self.assertAllEqual(loaded(x), layer(x))
         with self.assertRaisesRegex(ValueError, "favor_plus"):
             _layer().redraw_random_features()
         with self.assertRaisesRegex(ValueError, "built=False"):
             _layer(
-                feature_map="favor_plus", build=False
+                feature_map=feature_map, build=False
             ).redraw_random_features()
+
+    @parameterized.named_parameters(("causal", True), ("non_causal", False))
+    def test_random_fourier_normalizer_is_clamped(self, causal):
+        # The estimate of the normalizer can be negative: here one frequency
+        # w = (pi / 2) e_1 and unit queries and keys e_1 and -e_1 give
+        # phi(q) . phi(k) = cos(pi) = -1, so that every step's normalizer
+        # is negative and clamps to 0 (+ epsilon), which flips the sign of
+        # the outputs against the unclamped ratio.
+        layer = _layer(
+            feature_map="random_fourier",
+            num_features=2,
+            causal=causal,
+            use_bias=False,
+            normalization_epsilon=0.5,
+        )
+        direction = np.zeros((INPUT_DIM, NUM_HEADS, KEY_DIM))
+        direction[0, :, 0] = 1.0
+        layer.query_dense.kernel.assign(direction)
+        layer.key_dense.kernel.assign(-direction)
+        layer.random_features.assign([[np.pi / 2], [0.0], [0.0]])
+        layer.log_bandwidth.assign(np.zeros(NUM_HEADS))
+        x = _inputs((BATCH, 4, INPUT_DIM))
+        x[..., 0] = np.abs(x[..., 0]) + 0.5
+        w = _np_weights(layer)
+        query = _np_feature(layer, w, _np_project(layer, w, x, "query"), True)
+        key = _np_feature(layer, w, _np_project(layer, w, x, "key"), False)
+        self.assertClose(np.einsum("bthf,bshf->bhts", query, key), -1.0)
+        expected, _ = _np_reference(layer, x)
+        modes = ("recurrent", "parallel") if causal else ("auto",)
+        for mode in modes:
+            layer.execution_mode = mode
+            self.assertClose(layer(x), expected, msg=mode)
+
+    # Decay.
+
+    def _assert_causal_matches_reference(self, layer, x, mask):
+        """Both algorithms against the reference, from a carried state."""
+        rng = np.random.RandomState(3)
+        initial_state = tuple(
+            rng.uniform(1, 2, size=s.shape).astype("float32")
+            for s in layer.get_initial_state(BATCH)
+        )
+        expected, expected_state = _np_reference(layer, x, mask, initial_state)
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            y, state = layer(
+                x, mask=mask, initial_state=initial_state, return_state=True
+            )
+            self.assertClose(y, expected, msg=mode)
+            self.assertLen(state, len(expected_state))
+            for actual, reference in zip(state, expected_state):
+                self.assertClose(actual, reference, msg=mode)
+
+    @parameterized.named_parameters(
+        ("half", None, {"decay": 0.5}),
+        ("grouped", "grouped", {"decay": 0.9}),
+        ("near_one_favor_plus", "favor_plus", {"decay": 0.999}),
+        ("per_head_hedgehog", "hedgehog", {"decay": [0.7, 0.95]}),
+        (
+            "retnet_unnormalized",
+            None,
+            {"decay": "retnet", "use_normalizer": False},
+        ),
+        ("learned_grouped_hedgehog", "grouped_hedgehog", {"decay": "learned"}),
+        (
+            "learned_grouped_random_fourier",
+            "grouped_random_fourier",
+            {"decay": "learned"},
+        ),
+    )
+    def test_decay_matches_reference(self, config, kwargs):
+        # Left padding and holes, which neither add to the state nor decay
+        # it, and a carried state, which decays.
+        layer = _layer(config, causal=True, **kwargs)
+        x, mask = _inputs(), _hybrid_mask()
+        self._assert_causal_matches_reference(layer, x, mask)
+
+    def test_decay_long_sequence(self):
+        # More chunks than one block of the prefix sum over chunks (16),
+        # with holes across a chunk edge and a block edge; a gamma near 1
+        # (and another on the second key/value head) keeps every chunk and
+        # block in the outputs.
+        layer = _layer(
+            "grouped_hedgehog",
+            causal=True,
+            execution_mode="parallel",
+            decay=[0.999, 0.99],
+        )
+        chunk = layer._chunk_size
+        length = 17 * chunk + 13
+        x = _inputs((1, length, INPUT_DIM))
+        mask = np.ones((1, length), bool)
+        mask[0, :9] = False
+        mask[0, chunk - 3 : chunk + 4] = False
+        mask[0, 16 * chunk - 5 : 16 * chunk + 20] = False
+        initial_state = tuple(
+            np.random.RandomState(3).uniform(1, 2, s.shape).astype("float32")
+            for s in layer.get_initial_state(1)
+        )
+        expected, expected_state = _np_reference(layer, x, mask, initial_state)
+        y, state = layer(
+            x, mask=mask, initial_state=initial_state, return_state=True
+        )
+        self.assertClose(y, expected)
+        for actual, reference in zip(state, expected_state):
+            self.assertClose(actual, reference)
+
+    def test_decay_of_one_is_no_decay(self):
+        # gamma = 1 keeps the whole past: the layer without decay, with
+        # the same weights, plain and hybrid.
+        x, mask = _inputs(), _hybrid_mask()
+        for local_window in (None, 5):
+            decayed = _layer(causal=True, decay=1.0, local_window=local_window)
+            plain = _layer(causal=True, local_window=local_window)
+            plain.set_weights(decayed.get_weights())
+            state = (
+                _hybrid_state(plain, BATCH, seed=3) if local_window else None
+            )
+            for mode in HYBRID_MODES:
+                decayed.execution_mode = plain.execution_mode = mode
+                message = f"local_window={local_window}, {mode}"
+                y, final_state = decayed(
+                    x, mask=mask, initial_state=state, return_state=True
+                )
+                expected, expected_state = plain(
+                    x, mask=mask, initial_state=state, return_state=True
+                )
+                self.assertClose(y, expected, msg=message)
+                for actual, reference in zip(final_state, expected_state):
+                    self.assertClose(actual, reference, msg=message)
+
+    def test_tiny_decay_attends_to_its_own_step(self):
+        # gamma = 1e-30 leaves each step only its own key and value, as
+        # y_t = phi(q_t) . phi(k_t) v_t / (phi(q_t) . phi(k_t) + epsilon),
+        # whatever the carried state and the masked steps before it.
+        layer = _layer("grouped", causal=True, decay=1e-30)
+        x, mask = _inputs(), _hybrid_mask()
+        w = _np_weights(layer)
+        x64 = x.astype("float64")
+        group = layer.num_heads // layer.num_key_value_heads
+        query, key = (
+            _np_feature(layer, w, _np_project(layer, w, x64, name), is_query)
+            for name, is_query in (("query", True), ("key", False))
+        )
+        key = np.repeat(key, group, axis=2)
+        value = np.repeat(_np_project(layer, w, x64, "value"), group, axis=2)
+        score = np.sum(query * key, axis=-1, keepdims=True)
+        heads = score * value / (score + layer.normalization_epsilon)
+        expected = np.einsum(
+            "bthe,heo->bto", heads, w["attention_output/kernel"]
+        )
+        expected = (expected + w["attention_output/bias"]) * mask[..., None]
+        state = tuple(
+            np.random.RandomState(3).uniform(1, 2, s.shape).astype("float32")
+            for s in layer.get_initial_state(BATCH)
+        )
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            y = layer(x, mask=mask, initial_state=state)
+            self.assertClose(y, expected, msg=mode)
+
+    def test_decay_config_and_weights(self):
+        self.assertIsNone(LinearAttention(2, 4).get_config()["decay"])
+        # NumPy floats and tuples become Python floats and lists, and every
+        # form round-trips through JSON.
+        for decay, expected in (
+            (np.float32(0.5), 0.5),
+            (1, 1.0),
+            ((np.float64(0.9), 0.5), [0.9, 0.5]),
+            ("retnet", "retnet"),
+            ("learned", "learned"),
+        ):
+            layer = LinearAttention(2, 4, causal=True, decay=decay)
+            config = json.loads(json.dumps(layer.get_config()))
+            self.assertEqual(config["decay"], expected)
+            self.assertEqual(type(config["decay"]), type(expected))
+            restored = LinearAttention.from_config(config)
+            self.assertEqual(restored.get_config(), config)
+        # "learned": one trainable logit per key/value head, whose sigmoid
+        # starts at the RetNet schedule; no weight for the other forms.
+        learned = _layer(
+            build=False,
+            causal=True,
+            num_heads=4,
+            num_key_value_heads=2,
+            decay="learned",
+        )
+        learned.build((None, None, INPUT_DIM))
+        logit = learned.decay_logit
+        self.assertEqual(logit.name, "decay_logit")
+        self.assertEqual(tuple(logit.shape), (2,))
+        self.assertIn(logit, learned.trainable_weights)
+        self.assertClose(ops.sigmoid(logit), [1 - 2.0**-5, 1 - 2.0**-6])
+        self.assertLen(learned.weights, len(_layer().weights) + 1)
+        for decay in (None, 0.9, [0.5, 0.9], "retnet"):
+            layer = _layer(causal=True, decay=decay)
+            self.assertLen(layer.weights, len(_layer().weights), msg=decay)
+
+    @parameterized.named_parameters(
+        (
+            "float16_learned",
+            "float16",
+            "grouped_hedgehog",
+            {"decay": "learned"},
+        ),
+        (
+            "bfloat16_hybrid",
+            "bfloat16",
+            "favor_plus",
+            {"decay": 0.9, "local_window": 5},
+        ),
+    )
+    def test_decay_mixed_precision(self, dtype, config, kwargs):
+        # As test_mixed_precision, with decay, plain and hybrid.
+        x, mask = _inputs(), _hybrid_mask()
+        layer = _layer(config, causal=True, dtype=f"mixed_{dtype}", **kwargs)
+        reference = _layer(config, causal=True, **kwargs)
+        reference.set_weights(layer.get_weights())
+        for variable in layer.weights:
+            self.assertDType(variable, "float32")
+        y, state = layer(x, mask=mask, return_state=True)
+        expected, expected_state = reference(x, mask=mask, return_state=True)
+        self.assertDType(y, dtype)
+        self.assertClose(y, expected, MIXED_TOL[dtype])
+        # The state is kept in float32, and sums rounded steps.
+        for actual, wanted in zip(state, expected_state):
+            self.assertDType(actual, "float32")
+            self.assertClose(actual, wanted, MIXED_TOL[dtype] * LENGTH)
 
     def test_docstring_examples(self):
         import keras
@@ -1435,11 +1867,43 @@ class LinearAttentionTest(testing.TestCase):
         ("non_causal_window_64_favor_plus", "favor_plus", 64, False),
         ("non_causal_window_69_grouped", "grouped", LENGTH - 1, False),
         ("non_causal_window_100_elu_plus_one", "elu_plus_one", 100, False),
+        (
+            "non_causal_window_5_grouped_random_fourier",
+            "grouped_random_fourier",
+            5,
+            False,
+        ),
+        ("causal_window_1_decay", "elu_plus_one", 1, True, {"decay": 0.5}),
+        (
+            "causal_window_5_decay_retnet_favor_plus",
+            "favor_plus",
+            5,
+            True,
+            {"decay": "retnet"},
+        ),
+        (
+            "causal_window_20_decay_learned_grouped_hedgehog",
+            "grouped_hedgehog",
+            20,
+            True,
+            {"decay": "learned"},
+        ),
+        (
+            "causal_window_64_decay_per_head_grouped_random_fourier",
+            "grouped_random_fourier",
+            64,
+            True,
+            {"decay": [0.9, 0.99]},
+        ),
     )
-    def test_hybrid_matches_reference(self, config, window, causal):
+    def test_hybrid_matches_reference(
+        self, config, window, causal, kwargs=None
+    ):
         # Left padding and holes, a trained-looking far scale per head, and
         # (causal) a carried state whose window has invalid slots.
-        layer = _layer(config, causal=causal, local_window=window)
+        layer = _layer(
+            config, causal=causal, local_window=window, **(kwargs or {})
+        )
         _assign_far_log_scale(layer)
         x, mask = _inputs(), _hybrid_mask()
         state = _hybrid_state(layer, BATCH, seed=3) if causal else None
@@ -1455,12 +1919,16 @@ class LinearAttentionTest(testing.TestCase):
             self.assertClose(y, expected, msg=mode)
             self.assertHybridStateClose(final_state, expected_state, msg=mode)
 
-    @parameterized.named_parameters(("non_causal", False), ("causal", True))
+    @parameterized.named_parameters(
+        ("non_causal", False),
+        ("causal", True),
+        ("causal_decay", True, {"decay": "learned"}),
+    )
     @pytest.mark.skipif(
         backend.backend() in ("numpy", "openvino"),
         reason="These backends compute float64 layers in float32.",
     )
-    def test_hybrid_float64(self, causal):
+    def test_hybrid_float64(self, causal, kwargs=None):
         # A large epsilon, so that the configured value and the softmax
         # stabilizer (which otherwise cancels) show in the outputs; every
         # feature map and head layout once over the two cases.
@@ -1476,6 +1944,7 @@ class LinearAttentionTest(testing.TestCase):
                     dtype="float64",
                     normalization_epsilon=0.5,
                     local_window=window,
+                    **(kwargs or {}),
                 )
                 _assign_far_log_scale(layer)
                 x, mask = _inputs(dtype="float64"), _hybrid_mask()
@@ -1552,12 +2021,22 @@ class LinearAttentionTest(testing.TestCase):
         ("window_5_favor_plus", "favor_plus", 5),
         ("window_20_grouped_hedgehog", "grouped_hedgehog", 20),
         ("window_100_grouped", "grouped", 100),
+        (
+            "window_20_decay_learned_grouped_random_fourier",
+            "grouped_random_fourier",
+            20,
+            {"decay": "learned"},
+        ),
     )
-    def test_hybrid_full_chunked_and_token_by_token_agree(self, config, window):
+    def test_hybrid_full_chunked_and_token_by_token_agree(
+        self, config, window, kwargs=None
+    ):
         # Pieces shorter and longer than the window, not on chunk edges,
         # and single tokens (the recurrent step), with padding and holes;
         # two piece lengths only, since JAX compiles each new one.
-        layer = _layer(config, causal=True, local_window=window)
+        layer = _layer(
+            config, causal=True, local_window=window, **(kwargs or {})
+        )
         _assign_far_log_scale(layer)
         x, mask = _inputs(), _hybrid_mask()
         full, full_state = layer(x, mask=mask, return_state=True)
@@ -1578,17 +2057,31 @@ class LinearAttentionTest(testing.TestCase):
     @parameterized.named_parameters(
         ("window_1_favor_plus", "favor_plus", 1),
         ("window_20_grouped_hedgehog", "grouped_hedgehog", 20),
+        (
+            "window_5_decay_learned_grouped_random_fourier",
+            "grouped_random_fourier",
+            5,
+            {"decay": "learned"},
+        ),
     )
     @pytest.mark.requires_trainable_backend
     def test_hybrid_parallel_and_recurrent_gradients_agree(
-        self, config, window
+        self, config, window, kwargs=None
     ):
         parallel = _layer(
-            config, causal=True, local_window=window, execution_mode="parallel"
+            config,
+            causal=True,
+            local_window=window,
+            execution_mode="parallel",
+            **(kwargs or {}),
         )
         _assign_far_log_scale(parallel)
         recurrent = _layer(
-            config, causal=True, local_window=window, execution_mode="recurrent"
+            config,
+            causal=True,
+            local_window=window,
+            execution_mode="recurrent",
+            **(kwargs or {}),
         )
         recurrent.set_weights(parallel.get_weights())
         # The state of a previous call, whose window is partly masked.
