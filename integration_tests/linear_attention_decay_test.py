@@ -24,6 +24,7 @@ import functools
 
 import numpy as np
 from absl.testing import parameterized
+from linear_attention_robustness_test import _assert_close
 
 from keras.src import backend
 from keras.src import testing
@@ -85,21 +86,6 @@ CONVERGENCE_BANDWIDTHS = (1.0, 1.4)
 # swapped between heads, or taken as sigma instead of sigma^2 leaves a
 # larger error.
 RANDOM_FOURIER_ERROR_BOUND = 0.05
-
-
-def _assert_close(actual, expected, rtol, msg=None):
-    actual = np.asarray(backend.convert_to_numpy(actual), dtype="float64")
-    expected = np.asarray(backend.convert_to_numpy(expected), "float64")
-    if actual.shape != expected.shape:
-        raise AssertionError(
-            f"{msg or ''} shape {actual.shape} != {expected.shape}"
-        )
-    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
-    error = float(np.max(np.abs(actual - expected), initial=0.0))
-    if not error <= rtol * scale:
-        raise AssertionError(
-            f"{msg or ''} max abs error {error:.3g} > {rtol:g} * {scale:.3g}"
-        )
 
 
 def _assert_finite(tensors, msg=None):

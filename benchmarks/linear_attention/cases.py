@@ -71,19 +71,14 @@ def make_layer(kind, causal, execution_mode="parallel"):
             execution_mode=execution_mode,
             **config.VARIANTS[kind],
         )
-    if kind in config.HYBRIDS:
-        return keras.layers.LinearAttention(
-            config.NUM_HEADS,
-            config.HEAD_DIM,
-            causal=causal,
-            local_window=config.HYBRIDS[kind],
+    if kind in config.HYBRIDS or kind in config.DECAYS:
+        options = (
+            {"local_window": config.HYBRIDS[kind]}
+            if kind in config.HYBRIDS
+            else {"decay": config.DECAYS[kind]}
         )
-    if kind in config.DECAYS:
         return keras.layers.LinearAttention(
-            config.NUM_HEADS,
-            config.HEAD_DIM,
-            causal=causal,
-            decay=config.DECAYS[kind],
+            config.NUM_HEADS, config.HEAD_DIM, causal=causal, **options
         )
     if kind == "mha":
         return SelfAttention(causal)
