@@ -26,6 +26,7 @@ _FEATURE_MAPS = (
     "favor_plus",
     "hedgehog",
     "random_fourier",
+    "taylor",
 )
 # Feature maps with their own size (`num_features`) and weights.
 _SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog", "random_fourier")
@@ -38,6 +39,9 @@ _FAVOR_MAX_EXPONENT = 60.0
 # Added to |x|^2 where `"random_fourier"` divides x by its norm, so that a
 # zero query or key has finite gradients.
 _UNIT_EPSILON = 1e-12
+# Above this `key_dim`, the `"taylor"` map's `1 + d (d + 3) / 2` features
+# make the state and the products large, so the layer warns.
+_TAYLOR_MAX_KEY_DIM = 32
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 
@@ -74,7 +78,10 @@ class LinearAttention(Layer):
             kernel), `"hedgehog"` (a learnable softmax map),
             `"random_fourier"` (RFA: sines and cosines of the unit-norm
             query or key, estimating a Gaussian kernel of learned
-            bandwidth), or a registered callable or `Layer`.
+            bandwidth), `"taylor"` (Based's second-order Taylor expansion
+            of `exp(q . k / sqrt(key_dim))`, `1 + key_dim (key_dim + 3) / 2`
+            features: meant for a small `key_dim`, such as 16), or a
+            registered callable or `Layer`.
         use_normalizer: Boolean, whether to divide the outputs by
             `phi(q) . z + normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -102,8 +109,8 @@ class LinearAttention(Layer):
             Defaults to `num_heads`.
         num_features: Number of features of `"favor_plus"` (defaults to
             `4 * key_dim`), `"hedgehog"` and `"random_fourier"` (even;
-            defaults to `2 * key_dim`). The other maps have `key_dim`
-            features.
+            defaults to `2 * key_dim`). `"taylor"` derives its number;
+            the other maps have `key_dim` features.
         local_window: Optional positive integer `W`: exact softmax over the
             positions closer than `W` (causal: the last `W`, itself
             included), the feature map beyond, weighted by a trainable
@@ -135,7 +142,8 @@ class LinearAttention(Layer):
             key_state)` of shapes `(batch_size, num_key_value_heads,
             features, value_dim)` and `(batch_size, num_key_value_heads,
             features)`, or `(key_value_state,)` without the normalizer;
-            `features` is `num_features` or `key_dim`. With `local_window`,
+            `features` is the feature map's size (`num_features`, the
+            `"taylor"` size or `key_dim`). With `local_window`,
             followed by `window_keys`, `window_values` and `window_valid`,
             the projected keys and values of the last `W` positions and
             whether each is unmasked, of shapes `(batch_size,
@@ -294,12 +302,24 @@ class LinearAttention(Layer):
         elif num_features is not None:
             raise ValueError(
                 "`num_features` only applies to feature_map='favor_plus', "
-                "'hedgehog' or 'random_fourier'; the other feature maps keep "
-                "`key_dim` "
-                f"features. Received: num_features={num_features!r} with "
+                "'hedgehog' or 'random_fourier'; 'taylor' has "
+                "`1 + key_dim * (key_dim + 3) / 2` features and the other "
+                "feature maps keep `key_dim` features. Received: "
+                f"num_features={num_features!r} with "
                 f"feature_map={feature_map!r}"
             )
         self.num_features = num_features
+        if feature_map == "taylor" and self.key_dim > _TAYLOR_MAX_KEY_DIM:
+            warnings.warn(
+                "`LinearAttention` with feature_map='taylor' and "
+                f"key_dim={self.key_dim}: the map has `1 + key_dim * "
+                f"(key_dim + 3) / 2` = {self._feature_dim} features per "
+                "head, so the state and the products grow with the square "
+                "of `key_dim`. It is meant for a small `key_dim` (up to "
+                f"{_TAYLOR_MAX_KEY_DIM}); use more heads of a smaller "
+                "`key_dim`, or another feature map.",
+                stacklevel=2,
+            )
         self.use_normalizer = _boolean("use_normalizer", use_normalizer)
         self.local_window = (
             None
@@ -636,9 +656,10 @@ class LinearAttention(Layer):
             A tuple `(key_value_state, key_state)` of zeros with shapes
             `(batch_size, num_key_value_heads, features, value_dim)` and
             `(batch_size, num_key_value_heads, features)` (`features` is
-            `num_features` for `"favor_plus"` and `"hedgehog"`, `key_dim`
-            otherwise; `(key_value_state,)` if `use_normalizer=False`), in
-            the accumulator dtype.
+            `num_features` for the maps that take it, `1 + key_dim *
+            (key_dim + 3) / 2` for `"taylor"`, `key_dim` otherwise;
+            `(key_value_state,)` if `use_normalizer=False`), in the
+            accumulator dtype.
         """
         if not self.causal:
             raise ValueError(
@@ -658,6 +679,8 @@ class LinearAttention(Layer):
     def _feature_dim(self):
         if self.feature_map in _SIZED_FEATURE_MAPS:
             return self.num_features
+        if self.feature_map == "taylor":
+            return 1 + self.key_dim * (self.key_dim + 3) // 2
         return self.key_dim
 
     def _state_shapes(self):
@@ -729,6 +752,21 @@ class LinearAttention(Layer):
                 kernel = ops.repeat(kernel, self._group_size, axis=0)
             x = ops.einsum("bthd,hdf->bthf", x, kernel)
             features = ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
+        elif self.feature_map == "taylor":
+            # [1, x / d^(1/4), vec(x x^T) / (2 d)^(1/2)] with the pairs
+            # i <= j of x x^T only (those with i < j scaled by 2^(1/2)), so
+            # that phi(q) . phi(k) = 1 + s + s^2 / 2, s = q . k / d^(1/2).
+            rows, columns = np.triu_indices(self.key_dim)
+            scale = np.where(rows == columns, 0.5**0.5, 1.0) / self.key_dim**0.5
+            pairs = ops.take(x, rows, axis=-1) * ops.take(x, columns, axis=-1)
+            features = ops.concatenate(
+                [
+                    ops.ones_like(x[..., :1]),
+                    x * self.key_dim**-0.25,
+                    pairs * ops.convert_to_tensor(scale, dtype=x.dtype),
+                ],
+                axis=-1,
+            )
         elif self.feature_map == "elu_plus_one":
             # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
             # far below zero, where `expm1(x) + 1` rounds to 0.
