@@ -111,7 +111,7 @@ HALF_PRECISION_LOSS_SCALE = 2.0**-10
 # second one partial, and a partial last chunk.
 LONG_LENGTH = 18 * 64 + 5
 # The feature maps and head layouts beyond the default.
-EXTENSIONS = ("favor_plus", "hedgehog", "grouped", "grouped_hedgehog")
+EXTENSIONS = ("favor_plus", "hedgehog", "grouped", "grouped_hedgehog", "taylor")
 EXTENSION_PARAMETERS = [(name, name) for name in EXTENSIONS]
 
 

@@ -63,6 +63,7 @@ CONFIGS = {
         "num_features": 8,
         "normalization_epsilon": 0.1,
     },
+    "taylor": {"feature_map": "taylor"},
 }
 
 
@@ -152,6 +153,23 @@ def _np_feature(layer, weights, y, is_query, hybrid=False):
         y = y @ weights["random_features"] / sigma[:, None]
         frequencies = weights["random_features"].shape[1]
         return np.concatenate([np.sin(y), np.cos(y)], -1) / np.sqrt(frequencies)
+    if layer.feature_map == "taylor":
+        # [1, x / d^(1/4), then x_i x_j / sqrt(2 d) for i <= j, row by row,
+        # doubled (in the dot product) where i < j: the pairs of x x^T].
+        d = y.shape[-1]
+        pairs = [
+            y[..., i] * y[..., j] * (1.0 if i < j else 0.5**0.5)
+            for i in range(d)
+            for j in range(i, d)
+        ]
+        return np.concatenate(
+            [
+                np.ones_like(y[..., :1]),
+                y / d**0.25,
+                np.stack(pairs, -1) / d**0.5,
+            ],
+            axis=-1,
+        )
     if layer.feature_map == "hedgehog":
         # Head i uses the matrix of its key/value head.
         kernel = weights["feature_map_kernel"]
@@ -610,6 +628,7 @@ class LinearAttentionTest(testing.TestCase):
             9,
             1,
         ),
+        ("taylor", {"causal": True, "feature_map": "taylor"}, 8),
     )
     def test_basics(self, init_kwargs, num_weights, num_non_trainable=0):
         self.run_layer_test(
@@ -853,6 +872,12 @@ class LinearAttentionTest(testing.TestCase):
             "num_features",
             "=7",
         ),
+        (
+            "num_features_taylor",
+            {"feature_map": "taylor", "num_features": 10},
+            "num_features",
+            "=10",
+        ),
         ("decay_non_causal", {"decay": 0.9}, "decay", "=0.9"),
         ("decay_zero", {"decay": 0.0, "causal": True}, "decay", "=0.0"),
         ("decay_above_one", {"decay": 1.5, "causal": True}, "decay", "=1.5"),
@@ -966,6 +991,7 @@ class LinearAttentionTest(testing.TestCase):
         ("hedgehog", "hedgehog", {}),
         ("grouped", "grouped", {}),
         ("grouped_hedgehog", "grouped_hedgehog", {}),
+        ("taylor", "taylor", {}),
         (
             "decay_learned_grouped_random_fourier",
             "grouped_random_fourier",
@@ -1006,6 +1032,7 @@ class LinearAttentionTest(testing.TestCase):
         ("hedgehog", "hedgehog", {}),
         ("grouped_hedgehog", "grouped_hedgehog", {}),
         ("decay", None, {"decay": 0.9}),
+        ("taylor", "taylor", {}),
         (
             "decay_learned_grouped_random_fourier",
             "grouped_random_fourier",
@@ -1158,6 +1185,8 @@ class LinearAttentionTest(testing.TestCase):
             CONFIGS["grouped_hedgehog"],
             [(3, 2, 6, 5), (3, 2, 6)],
         ),
+        # 1 + 3 + 3 * 4 / 2 features for key_dim 3.
+        ("taylor", CONFIGS["taylor"], [(3, 2, 10, 5), (3, 2, 10)]),
     )
     def test_state_shapes(self, kwargs, expected):
         layer = _layer(causal=True, build=False, **kwargs)
@@ -1209,6 +1238,7 @@ class LinearAttentionTest(testing.TestCase):
         ("decay_learned", "grouped_hedgehog", True, None, {"decay": "learned"}),
         ("decay_retnet", "relu", True, None, {"decay": "retnet"}),
         ("hybrid_decay_per_head", None, True, 5, {"decay": [0.9, 0.5]}),
+        ("taylor", "taylor", True),
     )
     def test_save_load_and_clone(
         self, config, causal, local_window=None, kwargs=None
@@ -1417,7 +1447,12 @@ class LinearAttentionTest(testing.TestCase):
         [
             (f"{dtype}_{config}", dtype, config)
             for dtype in ("float16", "bfloat16")
-            for config in ("elu_plus_one", "favor_plus", "grouped_hedgehog")
+            for config in (
+                "elu_plus_one",
+                "favor_plus",
+                "grouped_hedgehog",
+                "taylor",
+            )
         ]
     )
     def test_mixed_precision(self, dtype, config):
@@ -1497,6 +1532,38 @@ class LinearAttentionTest(testing.TestCase):
                     expected,
                     msg=f"length {length}",
                 )
+
+    @parameterized.named_parameters(("non_causal", False), ("causal", True))
+    def test_taylor_is_second_order_softmax(self, causal):
+        # Attention weights 1 + s + s^2 / 2, s = q . k / sqrt(key_dim), from
+        # explicit (T, T) scores: whatever the order of the features.
+        layer = _layer("taylor", causal=causal)
+        w = _np_weights(layer)
+        x = _inputs()
+        q, k, v = (
+            _np_project(layer, w, np.asarray(x, "float64"), name)
+            for name in ("query", "key", "value")
+        )
+        s = np.einsum("bthd,bshd->bhts", q, k) / KEY_DIM**0.5
+        scores = 1 + s + s**2 / 2
+        if causal:
+            scores = np.tril(scores)
+        scores = scores / (
+            np.sum(scores, -1, keepdims=True) + layer.normalization_epsilon
+        )
+        heads = np.einsum("bhts,bshe->bthe", scores, v)
+        expected = np.einsum(
+            "bthe,heo->bto", heads, w["attention_output/kernel"]
+        )
+        self.assertClose(layer(x), expected + w["attention_output/bias"])
+
+    def test_taylor_with_large_key_dim_warns(self):
+        # 1 + d (d + 3) / 2 features: 561 at key_dim 32, 595 at 33.
+        with self.assertWarnsRegex(UserWarning, "key_dim=33.*595 features"):
+            LinearAttention(2, 33, feature_map="taylor")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            LinearAttention(2, 32, feature_map="taylor")
 
     def test_float16_without_normalizer_warns(self):
         # Unnormalized outputs grow with the steps attended to, and float16
@@ -1874,6 +1941,7 @@ class LinearAttentionTest(testing.TestCase):
             False,
         ),
         ("causal_window_1_decay", "elu_plus_one", 1, True, {"decay": 0.5}),
+        ("causal_window_5_decay_taylor", "taylor", 5, True, {"decay": 0.9}),
         (
             "causal_window_5_decay_retnet_favor_plus",
             "favor_plus",
