@@ -19,8 +19,8 @@ SERIAL ?= 0
 TOOL_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 .DEFAULT_GOAL := test
-.PHONY: setup lint format test test-tools demo bench wheel clean distclean \
-	restore-upstream pr-check
+.PHONY: setup lint format test test-tools demo bench bench-recall wheel clean \
+	distclean restore-upstream pr-check
 
 # The venv is rebuilt only when requirements.txt changes; the upstream tree
 # and the API exports are checked on every run (about a second).
@@ -65,6 +65,14 @@ bench: setup
 	    $(BENCH_ARGS) || exit 1; \
 	done
 	$(PY) benchmarks/linear_attention_benchmark.py --summary
+
+# Associative recall (MQAR) of every LinearAttention configuration against
+# MultiHeadAttention, on one backend; `make bench-recall RECALL_ARGS=--quick`
+# is a smoke run (see benchmarks/README.md, "Recall benchmark").
+RECALL_BACKEND ?= jax
+bench-recall: setup
+	KERAS_BACKEND=$(RECALL_BACKEND) $(PY) benchmarks/linear_attention_recall.py \
+	  $(RECALL_ARGS)
 
 # The contribution as a pull request: copied into a scratch copy of a
 # keras-team/keras checkout (or `git archive` tarball), checked with its

@@ -37,7 +37,7 @@ def _malloc_setting():
     return f"system ({text})" if text else "system"
 
 
-def _versions(keras):
+def versions(keras):
     """The versions of Keras, NumPy and the backend's packages."""
     info = {"keras": keras.__version__, "numpy": np.__version__}
     modules = {
@@ -50,7 +50,7 @@ def _versions(keras):
     return info
 
 
-def _machine():
+def machine():
     """The CPU model, cores, operating system and Python."""
     model = platform.processor() or "unknown CPU"
     try:
@@ -137,9 +137,9 @@ def run(args):
         "backend": backend,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "run": run_kind,
-        "machine": _machine(),
+        "machine": machine(),
         "malloc": _malloc_setting(),
-        "versions": _versions(keras),
+        "versions": versions(keras),
         "shapes": {
             "batch": 1,
             "heads": config.NUM_HEADS,

@@ -1,0 +1,160 @@
+"""The configurations, the model they share, and its decode state."""
+
+import math
+
+import keras
+from linear_attention_recall import task
+
+WIDTH = 64
+NUM_LAYERS = 2
+MLP_WIDTH = 128
+NUM_HEADS = 4
+HEAD_DIM = 16
+LOCAL_WINDOW = 8
+# The far part's weight for `elu_plus_one` starts at -log(key_dim), as the
+# layer's guide advises, so that its `phi(q) . phi(k)`, near key_dim at
+# first, starts on the scale of the window's `exp(s)`.
+FAR_LOG_SCALE = -math.log(HEAD_DIM)
+BYTES_PER_ELEMENT = 4
+# Unit-scale token embeddings: with Keras's small default, softmax attention
+# sits far longer on the plateau where it only guesses unqueried values.
+TOKEN_STDDEV = 1.0
+POSITION_STDDEV = 0.02
+
+# Name -> the `LinearAttention` options of that configuration, or `None` for
+# `MultiHeadAttention`. `far_log_scale` is not an option of the layer: it
+# is assigned after the layer is built.
+CONFIGS = {
+    "mha": None,
+    "elu_plus_one": {},
+    "relu": {"feature_map": "relu"},
+    "favor_plus": {"feature_map": "favor_plus", "num_features": 64},
+    "hedgehog": {"feature_map": "hedgehog"},
+    "random_fourier": {"feature_map": "random_fourier"},
+    "taylor": {"feature_map": "taylor"},
+    "local_window": {
+        "local_window": LOCAL_WINDOW,
+        "far_log_scale": FAR_LOG_SCALE,
+    },
+    "decay_learned": {"decay": "learned"},
+    "grouped": {"num_key_value_heads": 1},
+    # `far_log_scale` at its default, 0: hedgehog's features sum to 1, so
+    # its `phi(q) . phi(k)` starts below the window's `exp(s)`, not above.
+    "hedgehog_local": {"feature_map": "hedgehog", "local_window": LOCAL_WINDOW},
+}
+QUICK_CONFIGS = ("mha", "elu_plus_one")
+
+
+def describe(name):
+    """The configuration as text, for the tables."""
+    options = CONFIGS[name]
+    if options is None:
+        return "MultiHeadAttention"
+    text = ", ".join(
+        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v!r}"
+        for k, v in options.items()
+    )
+    return text or "defaults"
+
+
+class SelfAttention(keras.layers.Layer):
+    """`MultiHeadAttention` as causal self-attention on one input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(NUM_HEADS, HEAD_DIM)
+
+    def build(self, input_shape):
+        self.attention.build(input_shape, input_shape)
+
+    def call(self, x):
+        return self.attention(x, x, use_causal_mask=True)
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position to its input."""
+
+    def build(self, input_shape):
+        self.embedding = self.add_weight(
+            shape=tuple(input_shape[1:]),
+            initializer=keras.initializers.RandomNormal(stddev=POSITION_STDDEV),
+            name="embedding",
+        )
+
+    def call(self, x):
+        return x + self.embedding[None]
+
+
+def attention(name):
+    """A new attention layer of the configuration `name`, not built."""
+    options = CONFIGS[name]
+    if options is None:
+        return SelfAttention()
+    options = {k: v for k, v in options.items() if k != "far_log_scale"}
+    return keras.layers.LinearAttention(
+        NUM_HEADS, HEAD_DIM, causal=True, **options
+    )
+
+
+def unavailable(name):
+    """`None` if this Keras builds the layer of `name`, else why not."""
+    try:
+        layer = attention(name)
+        layer(keras.ops.zeros((1, 8, WIDTH)))
+        prepare(name, layer)
+    except (TypeError, ValueError, AttributeError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return None
+
+
+def prepare(name, layer):
+    """Sets a built layer's starting weights that its options cannot."""
+    scale = (CONFIGS[name] or {}).get("far_log_scale")
+    if scale is not None:
+        layer.far_log_scale.assign(
+            keras.ops.full(layer.far_log_scale.shape, scale)
+        )
+
+
+def model(name, length):
+    """The model of `name` on sequences of `length` tokens.
+
+    Returns `(model, attention_layers)`.
+    """
+    tokens = keras.Input((length,), dtype="int32")
+    x = keras.layers.Embedding(
+        task.VOCABULARY,
+        WIDTH,
+        embeddings_initializer=keras.initializers.RandomNormal(
+            stddev=TOKEN_STDDEV
+        ),
+    )(tokens)
+    x = PositionEmbedding()(x)
+    layers = []
+    for _ in range(NUM_LAYERS):
+        layers.append(attention(name))
+        x = x + layers[-1](keras.layers.LayerNormalization()(x))
+        h = keras.layers.LayerNormalization()(x)
+        h = keras.layers.Dense(MLP_WIDTH, activation="gelu")(h)
+        x = x + keras.layers.Dense(WIDTH)(h)
+    x = keras.layers.LayerNormalization()(x)
+    logits = keras.layers.Dense(task.VOCABULARY)(x)
+    for layer in layers:
+        prepare(name, layer)
+    return keras.Model(tokens, logits), layers
+
+
+def state_bytes(layer, length):
+    """The decode state of `layer` after `length` positions, float32 bytes.
+
+    `LinearAttention`: the tensors of `get_initial_state(1)`, whose size
+    does not depend on `length`. `MultiHeadAttention`: its key and value
+    caches, `length` positions of every head.
+    """
+    if isinstance(layer, SelfAttention):
+        elements = 2 * length * NUM_HEADS * HEAD_DIM
+    else:
+        elements = sum(
+            math.prod(state.shape) for state in layer.get_initial_state(1)
+        )
+    return elements * BYTES_PER_ELEMENT

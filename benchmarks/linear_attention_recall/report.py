@@ -1,0 +1,191 @@
+"""The results as Markdown, CSV, JSON and a plot of accuracy and state."""
+
+import csv
+import json
+import os
+
+from linear_attention_recall import models
+from linear_attention_recall import task
+
+CSV_FIELDS = [
+    "date",
+    "run",
+    "backend",
+    "versions",
+    "machine",
+    "seed",
+    "learning_rate",
+    "batch",
+    "config",
+    "options",
+    "pairs",
+    "length",
+    "steps",
+    "accuracy",
+    "first_step_at_target",
+    "state_bytes",
+    "params",
+    "train_ms_per_step",
+    "forward_length",
+    "forward_ms",
+    "seconds",
+]
+
+
+def _cell(value, text="{}"):
+    return "-" if value is None else text.format(value)
+
+
+def markdown(results):
+    """The table of one run: a row per configuration, columns per size."""
+    sizes = sorted({run["pairs"] for run in results["runs"]})
+    runs = {(run["config"], run["pairs"]): run for run in results["runs"]}
+    names = [n for n in results["configs"] if n not in results["skipped"]]
+    steps = ", ".join(f"{p} pairs: {results['steps'][str(p)]}" for p in sizes)
+    versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+    target = results["target_accuracy"]
+    header = ["configuration"]
+    for pairs in sizes:
+        header += [
+            f"acc {pairs} pairs",
+            f"step >= {target} ({pairs})",
+            f"state bytes ({pairs})",
+            f"train ms/step ({pairs})",
+        ]
+    header += ["params", f"forward ms (T={results['forward_length']})"]
+    lines = [
+        f"### MQAR recall, {results['backend']} ({results['machine']})",
+        "",
+        f"{results['date']} ({results['run']}); {versions}",
+        "",
+        f"Steps: {steps}; batch {results['batch']}, AdamW (lr "
+        f"{results['learning_rate']:g}, weight decay "
+        f"{results['weight_decay']:g}, {results['warmup_steps']} warmup "
+        "steps, then constant), seed "
+        f"{results['seed']}; accuracy on {results['eval_count']} held-out "
+        f"sequences, evaluated every {results['eval_every']} steps. "
+        "State: the decode state after the last position, float32, both "
+        "layers. Params: at the smallest size (each further position adds "
+        f"{models.WIDTH}). Guessing among the values not yet queried scores "
+        + ", ".join(
+            f"{task.elimination_accuracy(p):.3f} ({p} pairs)" for p in sizes
+        )
+        + ".",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+    ]
+    for name in names:
+        cells = [name]
+        for pairs in sizes:
+            run = runs.get((name, pairs), {})
+            cells += [
+                _cell(run.get("accuracy"), "{:.3f}"),
+                _cell(run.get("first_step_at_target")),
+                _cell(run.get("state_bytes"), "{:,}"),
+                _cell(run.get("train_ms_per_step"), "{:.1f}"),
+            ]
+        first = runs.get((name, sizes[0]), {})
+        cells += [
+            _cell(first.get("params"), "{:,}"),
+            _cell(results["forward_ms"].get(name), "{:.1f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Configurations:", ""]
+    lines += [f"- `{name}`: {models.describe(name)}" for name in names]
+    for name, reason in results["skipped"].items():
+        lines.append(f"- `{name}`: skipped, not in this Keras ({reason})")
+    return "\n".join(lines) + "\n"
+
+
+def _csv_rows(results):
+    common = {
+        key: results[key]
+        for key in ("date", "run", "backend", "machine", "seed", "batch")
+    }
+    common["learning_rate"] = results["learning_rate"]
+    common["versions"] = "; ".join(
+        f"{k} {v}" for k, v in results["versions"].items()
+    )
+    common["forward_length"] = results["forward_length"]
+    for run in results["runs"]:
+        row = {**common, **{k: run[k] for k in CSV_FIELDS if k in run}}
+        row["options"] = models.describe(run["config"])
+        row["forward_ms"] = results["forward_ms"].get(run["config"])
+        yield row
+
+
+def plot(results, path):
+    """Accuracy against state bytes (log), a panel per size."""
+    # A figure of its own, without pyplot, needs no GUI backend.
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    sizes = sorted({run["pairs"] for run in results["runs"]})
+    # The 10 dark colours of tab20 first, then their light pairs.
+    colours = colormaps["tab20"].colors[0::2] + colormaps["tab20"].colors[1::2]
+    colour = {
+        name: colours[i % 20] for i, name in enumerate(results["configs"])
+    }
+    figure = Figure(figsize=(6.5 * len(sizes), 5))
+    axes = figure.subplots(1, len(sizes), squeeze=False)[0]
+    for axis, pairs in zip(axes, sizes):
+        # Labels of points at the same place go one under the other.
+        placed = {}
+        for run in results["runs"]:
+            if run["pairs"] != pairs:
+                continue
+            point = (run["state_bytes"], run["accuracy"])
+            axis.plot(
+                *point,
+                "^" if run["config"] == "mha" else "o",
+                color=colour[run["config"]],
+            )
+            spot = (run["state_bytes"], round(run["accuracy"], 1))
+            below = placed[spot] = placed.get(spot, -1) + 1
+            axis.annotate(
+                run["config"],
+                point,
+                textcoords="offset points",
+                xytext=(5, 3 - 10 * below),
+                fontsize="small",
+            )
+        axis.axhline(
+            task.elimination_accuracy(pairs),
+            color="grey",
+            linestyle=":",
+            label="guessing an unqueried value of the context",
+        )
+        axis.set_xscale("log")
+        axis.margins(x=0.25)
+        axis.set_ylim(-0.03, 1.07)
+        axis.set_xlabel("decode state, bytes (float32, 2 layers)")
+        axis.set_ylabel("held-out recall accuracy")
+        axis.set_title(f"{pairs} pairs (T = {task.length(pairs)})")
+        axis.grid(True, alpha=0.3)
+        axis.legend(loc="center right", fontsize="small")
+    figure.suptitle(
+        f"MQAR recall against state size, {results['backend']}, "
+        f"{results['date']}",
+        fontsize="medium",
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+
+
+def write(results, out):
+    """Writes `<backend>.md`, `.csv`, `.json` and `.png` into `out`."""
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, results["backend"])
+    text = markdown(results)
+    with open(base + ".md", "w") as file:
+        file.write(text)
+    with open(base + ".csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(_csv_rows(results))
+    with open(base + ".json", "w") as file:
+        json.dump(results, file, indent=1)
+    plot(results, base + ".png")
+    print(text, flush=True)
+    print(f"Wrote {base}.md, .csv, .json and .png", flush=True)
