@@ -65,6 +65,12 @@ class LinearAttention(Layer):
     returned in the layer's compute dtype. For sequences of a few hundred
     tokens or fewer, `MultiHeadAttention` is usually faster.
 
+    The fixed-size state limits recall of earlier tokens (looking up a
+    value by its key in the context), which language models need. The
+    default feature map recalls poorly; `feature_map="taylor"` with a
+    small `key_dim` recalls far better, at a larger state, and
+    `MultiHeadAttention` remains the choice for exact recall.
+
     Args:
         num_heads: Number of attention heads.
         key_dim: Size of each attention head for query and key.
