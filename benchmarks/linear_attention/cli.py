@@ -174,7 +174,7 @@ def run(args):
     report.write(results, args.out)
 
 
-def _positive_int(text):
+def positive_int(text):
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -201,7 +201,7 @@ def _parser():
         + " and ".join(config.SMOKE_MEMORY_KINDS)
         + "), for tests",
     )
-    parser.add_argument("--lengths", type=_positive_int, nargs="+")
+    parser.add_argument("--lengths", type=positive_int, nargs="+")
     parser.add_argument(
         "--kinds",
         nargs="+",
@@ -212,7 +212,7 @@ def _parser():
         "kinds are PyTorch's); of: "
         + ", ".join(config.TIME_KINDS + config.COMPILED_KINDS),
     )
-    parser.add_argument("--repeats", type=_positive_int)
+    parser.add_argument("--repeats", type=positive_int)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument(
         "--only-memory",

@@ -5,6 +5,7 @@ import os
 import time
 
 from linear_attention.cli import machine
+from linear_attention.cli import positive_int
 from linear_attention.cli import versions
 
 from linear_attention_recall import models
@@ -138,13 +139,6 @@ def run(args):
     report.write(results, args.out)
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _parser():
     parser = argparse.ArgumentParser(
         description="Multi-query associative recall (MQAR) of "
@@ -163,7 +157,7 @@ def _parser():
     )
     parser.add_argument(
         "--pairs",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         metavar="N",
         help="numbers of key-value pairs (sequence length 4 N); default "
@@ -178,7 +172,7 @@ def _parser():
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         help="train steps at every size, instead of the defaults "
         + ", ".join(f"{p} pairs: {s}" for p, s in STEPS.items()),
     )
