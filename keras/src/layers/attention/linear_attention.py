@@ -100,7 +100,8 @@ class LinearAttention(Layer):
         execution_mode: Algorithm of causal attention: `"parallel"`
             (chunkwise), `"recurrent"` (one step per token), or `"auto"`
             (default: recurrent for single-token inputs). It does not
-            change the results beyond rounding.
+            change the results beyond rounding. Graphs traced for any
+            sequence length, as `model.export()` writes them, run chunkwise.
         kernel_initializer: Initializer for dense layer kernels.
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
@@ -740,7 +741,9 @@ class LinearAttention(Layer):
             if is_query:
                 bandwidth = ops.repeat(bandwidth, self._group_size, axis=0)
             features = ops.cast(self.random_features, x.dtype)
-            x = ops.einsum("bthd,dm->bthm", x, features) / bandwidth[:, None]
+            x = ops.einsum("bthd,dm->bthm", x, features) / ops.expand_dims(
+                bandwidth, 1
+            )
             sin, cos = ops.sin, ops.cos
             if backend.backend() == "jax":
                 # Workaround: JAX's `ops.sin` and `ops.cos` return float32
@@ -887,7 +890,9 @@ class LinearAttention(Layer):
         if mask is not None:
             # Padding may hold inf or nan, which the projections' gradients
             # would carry into the weights.
-            inputs = ops.where(mask[:, :, None], inputs, ops.zeros_like(inputs))
+            inputs = ops.where(
+                ops.expand_dims(mask, -1), inputs, ops.zeros_like(inputs)
+            )
         dtype = self.accumulator_dtype
         # (batch, time, heads, key_dim or value_dim) in the accumulator
         # dtype; keys and values have `num_key_value_heads` heads.
@@ -900,7 +905,7 @@ class LinearAttention(Layer):
             # back.
             valid = ops.cast(mask, dtype)
             value = ops.where(
-                mask[:, :, None, None], value, ops.zeros_like(value)
+                ops.expand_dims(mask, (2, 3)), value, ops.zeros_like(value)
             )
 
         state = None
@@ -925,7 +930,7 @@ class LinearAttention(Layer):
             if mask is not None:
                 # After the feature map, which is not zero at zero.
                 key = ops.where(
-                    mask[:, :, None, None], key, ops.zeros_like(key)
+                    ops.expand_dims(mask, (2, 3)), key, ops.zeros_like(key)
                 )
             if not self.causal:
                 outputs = self._non_causal(query, key, value)
@@ -946,7 +951,7 @@ class LinearAttention(Layer):
             # Nothing computed at padding reaches the output projection,
             # e.g. the input statistics that GPTQ quantization collects.
             outputs = ops.where(
-                mask[:, :, None, None], outputs, ops.zeros_like(outputs)
+                ops.expand_dims(mask, (2, 3)), outputs, ops.zeros_like(outputs)
             )
         outputs = ops.cast(outputs, self.compute_dtype)
         if self._dropout_layer is not None:
@@ -955,7 +960,7 @@ class LinearAttention(Layer):
         if mask is not None:
             # Its bias too.
             outputs = ops.where(
-                mask[:, :, None], outputs, ops.zeros_like(outputs)
+                ops.expand_dims(mask, -1), outputs, ops.zeros_like(outputs)
             )
         if backend.standardize_dtype(outputs.dtype) != self.compute_dtype:
             # The output projection may have a policy of its own.
@@ -965,8 +970,14 @@ class LinearAttention(Layer):
         return outputs
 
     def _use_recurrent(self, inputs):
+        length = inputs.shape[1]
+        if not isinstance(length, int):
+            # A graph traced for any length (`model.export()`; a PyTorch
+            # trace keeps neither loops nor branches on the length) runs
+            # the chunkwise algorithm, which is right at every length.
+            return False
         if self.execution_mode == "auto":
-            return inputs.shape[1] == 1
+            return length == 1
         return self.execution_mode == "recurrent"
 
     def _readout(self, numerator, denominator):
@@ -976,7 +987,9 @@ class LinearAttention(Layer):
             # Its features can be negative, and so can an estimate of the
             # normalizer; at least `normalization_epsilon` keeps it finite.
             denominator = ops.relu(denominator)
-        return numerator / (denominator[..., None] + self.normalization_epsilon)
+        return numerator / (
+            ops.expand_dims(denominator, -1) + self.normalization_epsilon
+        )
 
     def _log_decay(self, dtype):
         """`log(gamma)` per key/value head, `(num_key_value_heads,)`."""
@@ -996,7 +1009,7 @@ class LinearAttention(Layer):
         """`gamma` for each step and key/value head, 1 at masked steps."""
         log_decay = ops.broadcast_to(self._log_decay(dtype), shape)
         if valid is not None:
-            log_decay = log_decay * valid[:, :, None]
+            log_decay = log_decay * ops.expand_dims(valid, -1)
         return ops.exp(log_decay)
 
     @property
@@ -1040,8 +1053,8 @@ class LinearAttention(Layer):
         head and query head in its group.
         """
         if decay_t is not None:
-            decay_t = decay_t[:, :, None]
-            state = (state[0] * decay_t[..., None],) + tuple(
+            decay_t = ops.expand_dims(decay_t, -1)
+            state = (state[0] * ops.expand_dims(decay_t, -1),) + tuple(
                 s * decay_t for s in state[1:]
             )
         query_t = self._split_heads(query_t)
@@ -1069,7 +1082,7 @@ class LinearAttention(Layer):
             state, outputs = step(
                 initial_state, tuple(x[:, 0] for x in sequences)
             )
-            return outputs[:, None], state
+            return ops.expand_dims(outputs, 1), state
 
         def swap_batch_and_time(x):
             return ops.transpose(x, (1, 0) + tuple(range(2, len(x.shape))))
@@ -1167,12 +1180,16 @@ class LinearAttention(Layer):
                 ops.cast(steps, "float32"), _padding(length, chunk)
             )
             counts = ops.cumsum(ops.reshape(steps, (batch, -1, chunk)), -1)
-            elapsed = counts[..., :, None] - counts[..., None, :]
-            scores = scores * ops.tril(powers(ops.tril(elapsed)))[:, None]
+            elapsed = ops.expand_dims(counts, -1) - ops.expand_dims(counts, -2)
+            scores = scores * ops.expand_dims(
+                ops.tril(powers(ops.tril(elapsed))), 1
+            )
             # The entering state decays up to each query, and each key up
             # to the end of its chunk.
-            query = query * ops.tile(powers(counts), (1, group))[..., None]
-            key = key * powers(counts[..., -1:] - counts)[..., None]
+            query = query * ops.expand_dims(
+                ops.tile(powers(counts), (1, group)), -1
+            )
+            key = key * ops.expand_dims(powers(counts[..., -1:] - counts), -1)
             decay = (counts[..., -1], log_decay)
         scores = ops.reshape(scores, shape)
         numerator = ops.einsum("xcs,xse->xce", scores, value)
@@ -1204,7 +1221,9 @@ class LinearAttention(Layer):
         # Rearranged together: a tensor of one feature would make PyTorch's
         # export specialize the length.
         outputs = self._from_chunks(
-            ops.concatenate([numerator, denominator[..., None]], axis=-1),
+            ops.concatenate(
+                [numerator, ops.expand_dims(denominator, -1)], axis=-1
+            ),
             batch,
             length,
         )
@@ -1272,8 +1291,8 @@ class LinearAttention(Layer):
                 counts = ops.cumsum(ops.cast(valids, "float32"), axis=1)
                 later = counts[:, window:] - counts[:, :length]
                 powers = _powers(self._log_decay(dtype), later)
-                features = (
-                    features * ops.transpose(powers, (0, 2, 1))[..., None]
+                features = features * ops.expand_dims(
+                    ops.transpose(powers, (0, 2, 1)), -1
                 )
             return features, values
 
@@ -1298,8 +1317,8 @@ class LinearAttention(Layer):
             numerator, denominator, maximum = self._window_parallel(
                 query, keys, values, valids, span
             )
-            query_features = (
-                query_features * ops.exp(far_bias - maximum)[..., None]
+            query_features = query_features * ops.expand_dims(
+                ops.exp(far_bias - maximum), -1
             )
             far_state = (
                 state[:2] if self.causal else self._zero_state(batch)[:2]
@@ -1344,7 +1363,9 @@ class LinearAttention(Layer):
         def push(window, x):
             """Drops the oldest step of `window` and appends `x`."""
             if len(window.shape) == 2:
-                return ops.concatenate([window[:, 1:], x[:, None]], axis=1)
+                return ops.concatenate(
+                    [window[:, 1:], ops.expand_dims(x, 1)], axis=1
+                )
             x = ops.expand_dims(x, 2)
             return ops.concatenate([window[:, :, 1:], x], axis=2)
 
@@ -1360,16 +1381,16 @@ class LinearAttention(Layer):
         # The softmax's stabilizer, at least 0 so that a window of low
         # scores cannot scale the far part up.
         maximum = ops.relu(ops.max(scores, axis=-1))
-        weights = ops.exp(scores - maximum[..., None])
+        weights = ops.exp(scores - ops.expand_dims(maximum, -1))
         numerator = ops.einsum("bkgw,bkwe->bkge", weights, window_values)
         denominator = ops.sum(weights, axis=-1)
         far_weight = ops.exp(
-            far_bias - self._merge_heads(maximum[..., None])[..., 0]
+            far_bias - self._merge_heads(ops.expand_dims(maximum, -1))[..., 0]
         )
         (key_value, key_sum), far_numerator, far_denominator = (
             self._linear_step(
                 (key_value, key_sum),
-                query_features * far_weight[..., None],
+                query_features * ops.expand_dims(far_weight, -1),
                 *step_inputs[6:],
             )
         )
@@ -1421,16 +1442,18 @@ class LinearAttention(Layer):
         )
         # Query c of a chunk and key s of its blocks are steps c and
         # s - local_window of the chunk.
-        offset = ops.arange(blocks * chunk)[None] - ops.arange(chunk)[:, None]
+        offset = ops.expand_dims(
+            ops.arange(blocks * chunk), 0
+        ) - ops.expand_dims(ops.arange(chunk), 1)
         band = ops.logical_and(offset > 0, offset <= span)
         allowed = ops.logical_and(
-            band, to_blocks(valids)[:, None, :, None, None, :] > 0
+            band, ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
         )
         scores = ops.where(allowed, scores, -math.inf)
         # The softmax's stabilizer, at least 0 so that a window of low
         # scores cannot scale the far part up.
         maximum = ops.relu(ops.max(scores, axis=-1))
-        weights = ops.exp(scores - maximum[..., None])
+        weights = ops.exp(scores - ops.expand_dims(maximum, -1))
         weights = ops.reshape(weights, (-1, group * chunk, blocks * chunk))
         numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
         denominator = ops.sum(weights, axis=-1, keepdims=True)
@@ -1867,7 +1890,9 @@ def _identity_per_head(shape, dtype=None):
     in both signs, as in an `exp` kernel.
     """
     heads, rows, columns = shape
-    return ops.tile(ops.eye(rows, columns, dtype=dtype)[None], (heads, 1, 1))
+    return ops.tile(
+        ops.expand_dims(ops.eye(rows, columns, dtype=dtype), 0), (heads, 1, 1)
+    )
 
 
 def _orthogonal_random_features(key_dim, num_features, seed):
@@ -1966,7 +1991,7 @@ def _exclusive_prefix_sum(initial, summaries, decay=None):
         # Unmasked steps in the block up to and before each chunk.
         after = ops.cumsum(counts, axis=-1)
         before = after - counts
-        elapsed = before[..., :, None] - after[..., None, :]
+        elapsed = ops.expand_dims(before, -1) - ops.expand_dims(after, -2)
         strictly_lower = ops.tril(powers(ops.tril(elapsed, -1)), -1)
         within = ops.einsum(
             "xij,xjf->xif",
@@ -1975,7 +2000,8 @@ def _exclusive_prefix_sum(initial, summaries, decay=None):
         )
         within = ops.reshape(within, ops.shape(summaries))
         block_totals = ops.sum(
-            summaries * powers(after[..., -1:] - after)[..., None], axis=2
+            summaries * ops.expand_dims(powers(after[..., -1:] - after), -1),
+            axis=2,
         )
         totals = ops.concatenate([initial, block_totals], axis=1)
         # Unmasked steps up to the end of each block (none for `initial`).
@@ -1985,12 +2011,12 @@ def _exclusive_prefix_sum(initial, summaries, decay=None):
             ),
             axis=1,
         )
-        elapsed = ends[:, :, None] - ends[:, None, :]
+        elapsed = ops.expand_dims(ends, 2) - ops.expand_dims(ends, 1)
         lower = ops.tril(powers(ops.tril(elapsed)))
         totals = ops.einsum("xij,xjf->xif", lower, totals)
-        entering = within + powers(before)[..., None] * ops.expand_dims(
-            totals[:, :-1], 2
-        )
+        entering = within + ops.expand_dims(
+            powers(before), -1
+        ) * ops.expand_dims(totals[:, :-1], 2)
     entering = ops.reshape(entering, (rows, -1, features))
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
@@ -2041,14 +2067,12 @@ def _append_zeros(x, count):
 
 
 def _scan(step, initial_state, sequences):
-    """`ops.scan` over tuples, with per-step outputs unlike the carry.
+    """`ops.scan` over tuples of a known length, with per-step outputs
+    unlike the carry.
 
     Workaround: TensorFlow's `ops.scan` shapes its per-step outputs like
     the carry and sets no `maximum_iterations`, which XLA needs to
     differentiate the loop; TensorFlow runs its own `while_loop` here.
-
-    There, an unknown length runs one more step on zero inputs, whose
-    output is dropped: `step` must keep the state for zero inputs.
     """
     if backend.backend() != "tensorflow":
         return ops.scan(step, initial_state, sequences)
@@ -2056,19 +2080,7 @@ def _scan(step, initial_state, sequences):
     import tensorflow as tf
 
     sequences = tree.flatten(sequences)
-    length = tf.shape(sequences[0])[0]
-    steps = length
-    extra_step = sequences[0].shape[0] is None
-    if extra_step:
-        # An empty `TensorArray` cannot stack without a known element shape.
-        sequences = [
-            tf.concat(
-                [x, tf.zeros(tf.concat([[1], tf.shape(x)[1:]], 0), x.dtype)],
-                axis=0,
-            )
-            for x in sequences
-        ]
-        steps = length + 1
+    steps = sequences[0].shape[0]
     inputs = [tf.TensorArray(x.dtype, size=steps).unstack(x) for x in sequences]
     outputs = tf.TensorArray(sequences[0].dtype, size=steps)
 
@@ -2082,8 +2094,4 @@ def _scan(step, initial_state, sequences):
         (tf.constant(0), tuple(initial_state), outputs),
         maximum_iterations=steps,
     )
-    outputs = outputs.stack()
-    if extra_step:
-        outputs = outputs[:length]
-    outputs.set_shape(sequences[0].shape[:1].concatenate(outputs.shape[1:]))
-    return state, outputs
+    return state, outputs.stack()
