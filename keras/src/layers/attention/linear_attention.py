@@ -767,7 +767,12 @@ class LinearAttention(Layer):
             # that phi(q) . phi(k) = 1 + s + s^2 / 2, s = q . k / d^(1/2).
             rows, columns = np.triu_indices(self.key_dim)
             scale = np.where(rows == columns, 0.5**0.5, 1.0) / self.key_dim**0.5
-            pairs = ops.take(x, rows, axis=-1) * ops.take(x, columns, axis=-1)
+            # Row by row, in the order of `np.triu_indices`: slices, not a
+            # gather (OpenVINO cannot convert PyTorch's `take`).
+            pairs = ops.concatenate(
+                [x[..., i : i + 1] * x[..., i:] for i in range(self.key_dim)],
+                axis=-1,
+            )
             features = ops.concatenate(
                 [
                     ops.ones_like(x[..., :1]),
