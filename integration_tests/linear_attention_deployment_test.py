@@ -179,7 +179,10 @@ def _load(format, path):
             np.asarray(x) for x in compiled(list(inputs)).values()
         ]
     if format == "litert":
-        # LiteRT's own interpreter, which has no TensorFlow (Flex) ops.
+        with open(path, "rb") as f:
+            # TensorFlow ops in the file are custom ops named "Flex...".
+            assert b"Flex" not in f.read(), "the model needs TensorFlow ops"
+        # LiteRT's own interpreter, which has no TensorFlow ops either.
         from ai_edge_litert.interpreter import Interpreter
 
         runner = Interpreter(model_path=path).get_signature_runner()

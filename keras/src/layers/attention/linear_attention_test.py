@@ -1079,6 +1079,33 @@ class LinearAttentionTest(testing.TestCase):
     # Masks.
 
     @parameterized.named_parameters(
+        ("auto", {}),
+        ("recurrent", {"execution_mode": "recurrent"}),
+        ("hybrid", {"execution_mode": "recurrent", "local_window": 2}),
+    )
+    def test_graph_traced_for_any_length(self, kwargs):
+        # `model.export()` traces with a sample length of 1, and the graph
+        # must be right at every length.
+        layer = _layer(causal=True, **kwargs)
+        x = _inputs((BATCH, 9, INPUT_DIM))
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            spec = tf.TensorSpec((None, None, INPUT_DIM))
+            graph = tf.function(layer, input_signature=[spec])
+        elif backend.backend() == "torch":
+            import torch
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                graph = torch.jit.trace(layer, ops.convert_to_tensor(x[:, :1]))
+        else:
+            self.skipTest("Traced only on TensorFlow and PyTorch.")
+        for length in (1, 9):
+            piece = ops.convert_to_tensor(x[:, :length])
+            self.assertClose(graph(piece), layer(piece))
+
+    @parameterized.named_parameters(
         ("right_padding", np.arange(LENGTH)[None] < [[LENGTH], [40]]),
         ("left_padding", np.arange(LENGTH)[None] >= [[0], [25]]),
         ("row_broadcast", np.arange(LENGTH)[None] % 3 != 0),
