@@ -47,18 +47,19 @@ FILE_NAMES = {
     "litert": "model.tflite",
     "torch": "model.pt2",
 }
-# `masked`: token inputs through `Embedding(mask_zero=True)`.
+# Each feature map, execution mode and option at least once; `masked`:
+# token inputs through `Embedding(mask_zero=True)`.
 CONFIGS = {
     "non_causal": {},
     "causal": {"causal": True},
-    "recurrent": {"causal": True, "execution_mode": "recurrent"},
-    "parallel_relu": {
+    "recurrent_relu": {
         "causal": True,
-        "execution_mode": "parallel",
+        "execution_mode": "recurrent",
         "feature_map": "relu",
     },
-    "favor_plus": {
+    "parallel_favor_plus": {
         "causal": True,
+        "execution_mode": "parallel",
         "feature_map": "favor_plus",
         "num_features": 16,
     },
@@ -67,15 +68,20 @@ CONFIGS = {
         "feature_map": "hedgehog",
         "num_key_value_heads": 2,
     },
-    "random_fourier": {"feature_map": "random_fourier"},
+    "random_fourier_local_window_non_causal": {
+        "feature_map": "random_fourier",
+        "local_window": 5,
+    },
     "taylor_decay": {"causal": True, "feature_map": "taylor", "decay": 0.9},
-    "local_window": {"causal": True, "local_window": 5},
-    "local_window_non_causal": {"local_window": 5},
-    "masked_decay_learned": {"causal": True, "decay": "learned", "masked": 1},
-    "masked_non_causal": {"masked": 1},
-    "masked_local_window": {"causal": True, "local_window": 5, "masked": 1},
+    "masked_local_window_decay_learned": {
+        "causal": True,
+        "local_window": 5,
+        "decay": "learned",
+        "masked": True,
+    },
+    "masked_non_causal": {"masked": True},
 }
-DECODE_CONFIGS = ("causal", "masked_local_window")
+DECODE_CONFIGS = ("causal", "masked_local_window_decay_learned")
 
 
 def _upstream_failure(format, kwargs):

@@ -505,7 +505,9 @@ def _gradients_with_state(layer, x, initial_state, upstream, **call_kwargs):
     W.r.t. `x`, the state elements but a hybrid's `window_valid` (a flag)
     and the trainable weights.
     """
-    flags = tuple(initial_state[4:])
+    # Tensors, as the other elements: Keras refuses a nested call argument
+    # that mixes tensors (tracers) and NumPy arrays.
+    flags = tuple(ops.convert_to_tensor(s) for s in initial_state[4:])
     if backend.backend() == "jax":
         import jax
 
