@@ -8,8 +8,8 @@ process's backend:
 
 For each `.keras` file MODEL it writes to the `.npz` file OUTPUTS the
 model's predictions for the token array in the `.npy` file INPUTS
-(`predictions`) and each attention layer's weights named
-`random_features` or `feature_map_kernel` (`<layer>/<weight>`), and checks
+(`predictions`) and the weights of each attention layer's feature map
+(`<layer>/<weight>`, such as `random_features` or `kernel`), and checks
 on this backend that the loaded model streams (greedy generation with
 carried states gives the full-sequence logits) and that a FAVOR+ layer
 rebuilt from its configuration draws from its `seed` the same random
@@ -26,19 +26,16 @@ import workers
 import keras
 
 NUM_GENERATED = 3
-EXTENSION_WEIGHTS = ("random_features", "feature_map_kernel")
 
 
 def extension_weights(model):
     """`{"<layer>/<weight>": array}` of the feature maps' own weights."""
     weights = {}
     for name in lm_task.attention_layer_names():
-        layer = model.get_layer(name)
-        for weight in EXTENSION_WEIGHTS:
-            if hasattr(layer, weight):
-                weights[f"{name}/{weight}"] = keras.ops.convert_to_numpy(
-                    getattr(layer, weight)
-                )
+        for variable in model.get_layer(name).feature_map_layer.weights:
+            weights[f"{name}/{variable.name}"] = keras.ops.convert_to_numpy(
+                variable
+            )
     return weights
 
 
@@ -53,8 +50,12 @@ def _redrawn_random_features_diff(model):
         fresh.build((None, None, lm_task.D_MODEL))
         d = float(
             np.abs(
-                keras.ops.convert_to_numpy(fresh.random_features)
-                - keras.ops.convert_to_numpy(layer.random_features)
+                keras.ops.convert_to_numpy(
+                    fresh.feature_map_layer.random_features
+                )
+                - keras.ops.convert_to_numpy(
+                    layer.feature_map_layer.random_features
+                )
             ).max()
         )
         diff = d if diff is None else max(diff, d)

@@ -16,7 +16,7 @@ Beyond the unit test's small shapes:
 - decay with every sized feature map under mixed precision on a long
   sequence.
 
-The projections and small helpers are the unit test's.
+The projections and small helpers are `linear_attention_reference.py`'s.
 """
 
 import contextlib
@@ -24,26 +24,22 @@ import functools
 
 import numpy as np
 from absl.testing import parameterized
-from linear_attention_robustness_test import _assert_close
+from linear_attention_reference import INPUT_DIM
+from linear_attention_reference import assert_close
+from linear_attention_reference import assign_far_log_scale
+from linear_attention_reference import layer_gradients
+from linear_attention_reference import make_layer
+from linear_attention_reference import masked_hybrid_state
+from linear_attention_reference import np_project
+from linear_attention_reference import np_weights
+from linear_attention_reference import random_inputs
 
 from keras.src import backend
 from keras.src import testing
 from keras.src.layers.attention.linear_attention import LinearAttention
-from keras.src.layers.attention.linear_attention_test import INPUT_DIM
-from keras.src.layers.attention.linear_attention_test import (
-    _assign_far_log_scale,
-)
-from keras.src.layers.attention.linear_attention_test import _gradients
-from keras.src.layers.attention.linear_attention_test import _inputs
-from keras.src.layers.attention.linear_attention_test import _layer
-from keras.src.layers.attention.linear_attention_test import (
-    _masked_hybrid_state,
-)
-from keras.src.layers.attention.linear_attention_test import _np_project
-from keras.src.layers.attention.linear_attention_test import _np_weights
 
 # Tolerances. Each comparison is relative to the largest magnitude of the
-# expected values (`_assert_close`).
+# expected values (`assert_close`).
 #
 # Two float32 algorithms against each other (one call against pieces
 # carrying the state, a batch against each sequence alone): rounding in
@@ -115,9 +111,9 @@ def _np_random_fourier(weights, y):
     that reference does not return.
     """
     y = y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-12)
-    sigma = np.exp(weights["log_bandwidth"])
+    sigma = np.exp(weights["feature_map/log_bandwidth"])
     sigma = sigma[np.arange(y.shape[2]) * len(sigma) // y.shape[2]]
-    angles = y @ weights["random_features"] / sigma[:, None]
+    angles = y @ weights["feature_map/random_features"] / sigma[:, None]
     return np.concatenate([np.sin(angles), np.cos(angles)], -1) / np.sqrt(
         angles.shape[-1]
     )
@@ -125,10 +121,10 @@ def _np_random_fourier(weights, y):
 
 def _np_random_fourier_denominators(layer, x):
     """`phi(q) . z` of a random Fourier layer, `(batch, time, heads)`."""
-    weights = _np_weights(layer)
+    weights = np_weights(layer)
     x = np.asarray(x, "float64")
-    query = _np_random_fourier(weights, _np_project(layer, weights, x, "query"))
-    key = _np_random_fourier(weights, _np_project(layer, weights, x, "key"))
+    query = _np_random_fourier(weights, np_project(layer, weights, x, "query"))
+    key = _np_random_fourier(weights, np_project(layer, weights, x, "key"))
     group = layer.num_heads // layer.num_key_value_heads
     key = np.repeat(key, group, 2)
     if not layer.causal:
@@ -218,16 +214,16 @@ class LinearAttentionDecayTest(testing.TestCase):
         # is the formula's, and the streamed outputs are those of one
         # float32 call over the whole sequence.
         length = LONG_STREAM_LENGTH
-        x = _inputs((1, length, 4))
+        x = random_inputs((1, length, 4))
         reference = self._long_stream_layer("float32")
         expected, expected_state = _runner(reference)(x, return_state=True)
         layer = self._long_stream_layer(dtype)
         call = _runner(layer)
 
-        weights = _np_weights(reference)
+        weights = np_weights(reference)
         x64 = x.astype("float64")
-        key = _np_elu_plus_one(_np_project(reference, weights, x64, "key"))
-        value = _np_project(reference, weights, x64, "value")
+        key = _np_elu_plus_one(np_project(reference, weights, x64, "key"))
+        value = np_project(reference, weights, x64, "value")
         gamma = _retnet_gammas(2)
         growth = (1.0 + STATE_BOUND_SLACK) / (1.0 - gamma)
         key_sum_bound = np.max(key[0], axis=0) * growth[:, None]
@@ -259,7 +255,7 @@ class LinearAttentionDecayTest(testing.TestCase):
             self.assertTrue(
                 np.all(np.abs(key_value_state) <= key_value_bound), message
             )
-        _assert_close(
+        assert_close(
             np.concatenate(outputs, axis=1), expected, output_rtol, dtype
         )
 
@@ -270,8 +266,8 @@ class LinearAttentionDecayTest(testing.TestCase):
             np.einsum("th,thd->hd", powers, key[0]),
         )
         for actual, stream, exact in zip(state, expected_state, formula):
-            _assert_close(actual, stream, output_rtol, dtype)
-            _assert_close(
+            assert_close(actual, stream, output_rtol, dtype)
+            assert_close(
                 actual[0], exact, state_rtol or MIXED_FLOAT16_RTOL, dtype
             )
 
@@ -280,7 +276,7 @@ class LinearAttentionDecayTest(testing.TestCase):
         # step, twice as much after T steps as after T / 2, and far above
         # the decayed layer's bound (which float16 could hold).
         length = LONG_STREAM_LENGTH
-        x = _inputs((1, length, 4))
+        x = random_inputs((1, length, 4))
         layer = self._long_stream_layer("float32", decay=None)
         call = _runner(layer)
         half = call(x[:, : length // 2], return_state=True)[1][1]
@@ -289,9 +285,9 @@ class LinearAttentionDecayTest(testing.TestCase):
             np.asarray(backend.convert_to_numpy(z), "float64")[0]
             for z in (half, full)
         )
-        weights = _np_weights(layer)
+        weights = np_weights(layer)
         key = _np_elu_plus_one(
-            _np_project(layer, weights, x.astype("float64"), "key")
+            np_project(layer, weights, x.astype("float64"), "key")
         )
         decayed_bound = np.max(key[0], axis=0) / (
             1.0 - _retnet_gammas(2)[:, None]
@@ -392,7 +388,7 @@ class LinearAttentionDecayTest(testing.TestCase):
         # sequence 0 paused (masked) for two of them: the outputs and
         # states are those of each sequence alone, without its padding and
         # paused steps, whose outputs are zero.
-        layer = _layer(causal=True, **kwargs)
+        layer = make_layer(causal=True, **kwargs)
         rng = np.random.RandomState(30)
         key_value, key_sum = (
             tuple(s.shape) for s in layer.get_initial_state(1)
@@ -404,10 +400,10 @@ class LinearAttentionDecayTest(testing.TestCase):
         )
         lengths, steps, paused = (3, 11), 6, ([2, 3], [])
         prompts = [
-            _inputs((1, n, INPUT_DIM), seed=10 + i)
+            random_inputs((1, n, INPUT_DIM), seed=10 + i)
             for i, n in enumerate(lengths)
         ]
-        tokens = _inputs((len(lengths), steps, INPUT_DIM), seed=20)
+        tokens = random_inputs((len(lengths), steps, INPUT_DIM), seed=20)
         longest = max(lengths)
         call = _runner(layer)
         prompt_outputs, step_outputs, state = self._generate(
@@ -424,7 +420,7 @@ class LinearAttentionDecayTest(testing.TestCase):
             y, alone_steps, alone_state = self._alone(
                 call, start, prompt, tokens[i : i + 1, kept]
             )
-            _assert_close(
+            assert_close(
                 prompt_outputs[i : i + 1, longest - n :],
                 y,
                 FLOAT32_PARITY_RTOL,
@@ -435,14 +431,14 @@ class LinearAttentionDecayTest(testing.TestCase):
                     step_outputs[k][i], np.zeros_like(step_outputs[k][i])
                 )
             for k, expected in zip(kept, alone_steps):
-                _assert_close(
+                assert_close(
                     step_outputs[k][i : i + 1],
                     expected,
                     FLOAT32_PARITY_RTOL,
                     f"{message}, step {k}",
                 )
             for actual, expected in zip(state, alone_state):
-                _assert_close(
+                assert_close(
                     backend.convert_to_numpy(actual)[i : i + 1],
                     expected,
                     FLOAT32_PARITY_RTOL,
@@ -457,46 +453,46 @@ class LinearAttentionDecayTest(testing.TestCase):
         # keys are in it, so here the padding comes first, as in generation
         # from scratch. The prompts outlast the window, so that decayed
         # keys leave it for the far state.
-        layer = _layer(causal=True, local_window=4, decay="learned")
-        _assign_far_log_scale(layer)
+        layer = make_layer(causal=True, local_window=4, decay="learned")
+        assign_far_log_scale(layer)
         # Away from the RetNet start, so that keys decay within a prompt.
         gamma = np.array([0.6, 0.85])
         layer.decay_logit.assign(np.log(gamma / (1.0 - gamma)))
         lengths, steps = (3, 11), 6
         prompts = [
-            _inputs((1, n, INPUT_DIM), seed=10 + i)
+            random_inputs((1, n, INPUT_DIM), seed=10 + i)
             for i, n in enumerate(lengths)
         ]
-        tokens = _inputs((len(lengths), steps, INPUT_DIM), seed=20)
+        tokens = random_inputs((len(lengths), steps, INPUT_DIM), seed=20)
         longest = max(lengths)
         call = _runner(layer)
         prompt_outputs, step_outputs, state = self._generate(
             call, layer.get_initial_state(2), prompts, tokens, ([], [])
         )
         _assert_finite([prompt_outputs] + step_outputs)
-        batch_state = _masked_hybrid_state(state)
+        batch_state = masked_hybrid_state(state)
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             message = f"prompt {i} ({n} steps)"
             y, alone_steps, alone_state = self._alone(
                 call, layer.get_initial_state(1), prompt, tokens[i : i + 1]
             )
-            _assert_close(
+            assert_close(
                 prompt_outputs[i : i + 1, longest - n :],
                 y,
                 FLOAT32_PARITY_RTOL,
                 message,
             )
             for k, expected in enumerate(alone_steps):
-                _assert_close(
+                assert_close(
                     step_outputs[k][i : i + 1],
                     expected,
                     FLOAT32_PARITY_RTOL,
                     f"{message}, step {k}",
                 )
             for actual, expected in zip(
-                batch_state, _masked_hybrid_state(alone_state)
+                batch_state, masked_hybrid_state(alone_state)
             ):
-                _assert_close(
+                assert_close(
                     actual[i : i + 1], expected, FLOAT32_PARITY_RTOL, message
                 )
 
@@ -510,7 +506,7 @@ class LinearAttentionDecayTest(testing.TestCase):
         # averaged over 4 seeds; 2 sequences of 16 steps, 2 heads with
         # their own bandwidths, key_dim 4, NumPy-drawn weights.
         length, heads, key_dim = 16, 2, 4
-        x = 0.5 * _inputs((2, length, INPUT_DIM))
+        x = 0.5 * random_inputs((2, length, INPUT_DIM))
         dims = {
             "num_heads": heads,
             "key_dim": key_dim,
@@ -519,7 +515,7 @@ class LinearAttentionDecayTest(testing.TestCase):
         }
 
         def core_layer(**kwargs):
-            layer = _layer(**dims, **kwargs)
+            layer = make_layer(**dims, **kwargs)
             layer.output_dense.set_weights(
                 [
                     np.eye(heads * key_dim).reshape(heads, key_dim, -1),
@@ -538,9 +534,9 @@ class LinearAttentionDecayTest(testing.TestCase):
                     for w in dense.get_weights()
                 ]
             )
-        weights = _np_weights(base)
+        weights = np_weights(base)
         query, key, value = (
-            _np_project(base, weights, x.astype("float64"), name)
+            np_project(base, weights, x.astype("float64"), name)
             for name in ("query", "key", "value")
         )
         query = query / np.linalg.norm(query, axis=-1, keepdims=True)
@@ -567,7 +563,7 @@ class LinearAttentionDecayTest(testing.TestCase):
                     getattr(layer, dense).set_weights(
                         getattr(base, dense).get_weights()
                     )
-                layer.log_bandwidth.assign(np.log(sigma))
+                layer.feature_map_layer.log_bandwidth.assign(np.log(sigma))
                 call = _runner(layer)
                 seed_errors = []
                 for seed in range(4):
@@ -599,25 +595,25 @@ class LinearAttentionDecayTest(testing.TestCase):
         # queries and keys (no biases: their unit vectors divide by ~0),
         # and estimates of the normalizer at or below zero, which the
         # layer clamps (a small bandwidth and two frequencies).
-        x = _inputs()
+        x = random_inputs()
         x = np.concatenate([100.0 * x[:1], np.zeros_like(x[1:])], axis=0)
-        upstream = _inputs(seed=1)
+        upstream = random_inputs(seed=1)
         for causal, decay in ((False, None), (True, "retnet")):
             message = f"causal={causal}, decay={decay}"
-            layer = _layer(
+            layer = make_layer(
                 causal=causal,
                 decay=decay,
                 use_bias=False,
                 feature_map="random_fourier",
                 num_features=4,
             )
-            layer.log_bandwidth.assign(np.log([0.25, 0.25]))
+            layer.feature_map_layer.log_bandwidth.assign(np.log([0.25, 0.25]))
             # The case is what it says: some estimates are <= 0.
             denominators = _np_random_fourier_denominators(layer, x)
             self.assertGreater(np.mean(denominators[0] <= 0), 0.05, message)
             _assert_finite([_runner(layer)(x)], message)
             if _trainable_backend():
-                _assert_finite(_gradients(layer, x, upstream), message)
+                _assert_finite(layer_gradients(layer, x, upstream), message)
 
     # Mixed precision.
 
@@ -635,7 +631,7 @@ class LinearAttentionDecayTest(testing.TestCase):
         # of its features are large too.
         length = HALF_PRECISION_LENGTH
         scale = 4.0 if feature_map == "favor_plus" else 1.0
-        x = scale * _inputs((1, length, 4))
+        x = scale * random_inputs((1, length, 4))
         # The layer warns that random_fourier's outputs can overflow
         # float16 where its normalizer estimate fails.
         warns = feature_map == "random_fourier" and dtype == "float16"
@@ -658,5 +654,5 @@ class LinearAttentionDecayTest(testing.TestCase):
         y, state = _runner(layer)(x, return_state=True)
         _assert_finite((y,) + tuple(state))
         if _trainable_backend():
-            upstream = _inputs((1, length, 4), seed=1)
-            _assert_finite(_gradients(layer, x, upstream))
+            upstream = random_inputs((1, length, 4), seed=1)
+            _assert_finite(layer_gradients(layer, x, upstream))

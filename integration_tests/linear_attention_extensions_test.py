@@ -8,7 +8,7 @@ multi-query associative recall twice, once per configuration of
 - `"favor_plus"`: `feature_map="favor_plus"`, 64 random features drawn
   from a fixed `seed`.
 - `"hedgehog"`: `feature_map="hedgehog"` (its default `2 * key_dim`
-  features, a trainable `feature_map_kernel`).
+  features, a trainable `kernel`).
 
 Each trained model must read its context, survive `.keras` saving and
 loading exactly (for FAVOR+ with the same `random_features`), and stream:
@@ -213,9 +213,11 @@ def test_feature_map_weights(trained):
         ]
         if trained.name == "favor_plus":
             assert num_features == 64
-            features = keras.ops.convert_to_numpy(layer.random_features)
+            features = keras.ops.convert_to_numpy(
+                layer.feature_map_layer.random_features
+            )
             assert features.shape == (lm_task.KEY_DIM, 64)
-            assert id(layer.random_features) not in trainable
+            assert id(layer.feature_map_layer.random_features) not in trainable
             # `fit` leaves them as drawn at build: from the seed.
             np.testing.assert_array_equal(
                 features, initial[f"{layer.name}/random_features"]
@@ -223,15 +225,18 @@ def test_feature_map_weights(trained):
             fresh = keras.layers.LinearAttention.from_config(layer.get_config())
             fresh.build((None, None, lm_task.D_MODEL))
             np.testing.assert_array_equal(
-                keras.ops.convert_to_numpy(fresh.random_features), features
+                keras.ops.convert_to_numpy(
+                    fresh.feature_map_layer.random_features
+                ),
+                features,
             )
         else:
             assert num_features == 2 * lm_task.KEY_DIM
-            kernel = keras.ops.convert_to_numpy(layer.feature_map_kernel)
+            kernel = keras.ops.convert_to_numpy(layer.feature_map_layer.kernel)
             # One (key_dim, num_features // 2) matrix per key/value head.
             assert kernel.shape == (1, lm_task.KEY_DIM, num_features // 2)
-            assert id(layer.feature_map_kernel) in trainable
-            start = initial[f"{layer.name}/feature_map_kernel"]
+            assert id(layer.feature_map_layer.kernel) in trainable
+            start = initial[f"{layer.name}/kernel"]
             np.testing.assert_array_equal(start, np.eye(lm_task.KEY_DIM)[None])
             # Trained: it moved away from the identity.
             assert np.abs(kernel - start).max() > MIN_KERNEL_CHANGE
@@ -326,14 +331,17 @@ def test_redraw_random_features(favor_plus_lm):
     expected = favor_plus_lm.predictions[:BATCH_SIZE]
     layers = _attention_layers(copy)
     original = [
-        keras.ops.convert_to_numpy(layer.random_features) for layer in layers
+        keras.ops.convert_to_numpy(layer.feature_map_layer.random_features)
+        for layer in layers
     ]
 
     np.testing.assert_allclose(
         copy.predict_on_batch(x), expected, rtol=0, atol=SAME_MODEL_ATOL
     )
     layers[0].redraw_random_features(seed=FAVOR_PLUS_SEED + 1)
-    redrawn = keras.ops.convert_to_numpy(layers[0].random_features)
+    redrawn = keras.ops.convert_to_numpy(
+        layers[0].feature_map_layer.random_features
+    )
     assert np.abs(redrawn - original[0]).max() > MIN_REDRAW_CHANGE
     # The same (compiled) predict function sees the new features.
     assert (
@@ -342,13 +350,15 @@ def test_redraw_random_features(favor_plus_lm):
     )
     layers[0].redraw_random_features(seed=FAVOR_PLUS_SEED + 1)
     np.testing.assert_array_equal(
-        keras.ops.convert_to_numpy(layers[0].random_features), redrawn
+        keras.ops.convert_to_numpy(layers[0].feature_map_layer.random_features),
+        redrawn,
     )
 
     # The layer's seed draws the features it was built (and trained) with.
     layers[0].redraw_random_features(seed=FAVOR_PLUS_SEED)
     np.testing.assert_array_equal(
-        keras.ops.convert_to_numpy(layers[0].random_features), original[0]
+        keras.ops.convert_to_numpy(layers[0].feature_map_layer.random_features),
+        original[0],
     )
     np.testing.assert_allclose(
         copy.predict_on_batch(x), expected, rtol=0, atol=SAME_MODEL_ATOL
@@ -356,7 +366,7 @@ def test_redraw_random_features(favor_plus_lm):
     # The trained model kept its own features.
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(
-            model.get_layer("attention_0").random_features
+            model.get_layer("attention_0").feature_map_layer.random_features
         ),
         original[0],
     )
@@ -457,7 +467,9 @@ def test_redraw_random_features_from_a_callback_during_fit():
     )
     model = keras.Model(inputs, keras.layers.Dense(1)(attention(inputs)))
     model.compile(optimizer="adam", loss="mse")
-    original = keras.ops.convert_to_numpy(attention.random_features)
+    original = keras.ops.convert_to_numpy(
+        attention.feature_map_layer.random_features
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4 * BATCH_SIZE, 8, lm_task.D_MODEL))
     y = rng.normal(size=(4 * BATCH_SIZE, 8, 1))
@@ -471,11 +483,14 @@ def test_redraw_random_features_from_a_callback_during_fit():
         callbacks=[_RedrawRandomFeatures(batch=1, seed=new_seed)],
     )
     # `fit` kept the redrawn features (it does not train them).
-    features = keras.ops.convert_to_numpy(attention.random_features)
+    features = keras.ops.convert_to_numpy(
+        attention.feature_map_layer.random_features
+    )
     assert np.abs(features - original).max() > MIN_REDRAW_CHANGE
     attention.redraw_random_features(seed=new_seed)
     np.testing.assert_array_equal(
-        features, keras.ops.convert_to_numpy(attention.random_features)
+        features,
+        keras.ops.convert_to_numpy(attention.feature_map_layer.random_features),
     )
 
 
@@ -493,7 +508,7 @@ def test_favor_plus_keys_of_a_128_dim_head_stay_finite():
     for weight in layer.weights:
         if weight.path.endswith("key/kernel"):
             weight.assign(np.eye(key_dim, dtype="float32")[:, None, :])
-    w = keras.ops.convert_to_numpy(layer.random_features)
+    w = keras.ops.convert_to_numpy(layer.feature_map_layer.random_features)
     j = np.argmax(np.sum(w**2, axis=0))
     x = np.random.default_rng(0).normal(size=(1, 4, key_dim))
     # A key along w_j with x' = w_j: per-dimension RMS about 4.

@@ -19,8 +19,8 @@ and `make test` runs them on every backend too:
 - hybrid attention (`local_window`): left-padded generation, inputs far
   larger than usual, and its FAVOR+ error against FAVOR+ alone.
 
-The NumPy reference of the formulas and the small helpers are the unit
-test's.
+The NumPy reference of the formulas and the small helpers are
+`linear_attention_reference.py`'s.
 """
 
 import json
@@ -32,7 +32,26 @@ import zipfile
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from linear_attention_reference import BATCH
+from linear_attention_reference import CONFIGS
+from linear_attention_reference import INPUT_DIM
+from linear_attention_reference import KEY_DIM
+from linear_attention_reference import LENGTH
+from linear_attention_reference import NUM_HEADS
+from linear_attention_reference import VALUE_DIM
+from linear_attention_reference import assert_close
+from linear_attention_reference import assign_far_log_scale
+from linear_attention_reference import float64_enabled
+from linear_attention_reference import layer_gradients
+from linear_attention_reference import make_layer
+from linear_attention_reference import masked_hybrid_state
+from linear_attention_reference import np_project
+from linear_attention_reference import np_reference
+from linear_attention_reference import np_weights
+from linear_attention_reference import random_inputs
+from linear_attention_reference import stream
 
+from keras.src import activations
 from keras.src import backend
 from keras.src import dtype_policies
 from keras.src import layers
@@ -42,32 +61,11 @@ from keras.src import saving
 from keras.src import testing
 from keras.src import tree
 from keras.src.layers.attention.linear_attention import LinearAttention
-from keras.src.layers.attention.linear_attention_test import BATCH
-from keras.src.layers.attention.linear_attention_test import CONFIGS
-from keras.src.layers.attention.linear_attention_test import INPUT_DIM
-from keras.src.layers.attention.linear_attention_test import KEY_DIM
-from keras.src.layers.attention.linear_attention_test import LENGTH
-from keras.src.layers.attention.linear_attention_test import NUM_HEADS
-from keras.src.layers.attention.linear_attention_test import VALUE_DIM
-from keras.src.layers.attention.linear_attention_test import (
-    _assign_far_log_scale,
-)
-from keras.src.layers.attention.linear_attention_test import _float64_enabled
-from keras.src.layers.attention.linear_attention_test import _gradients
-from keras.src.layers.attention.linear_attention_test import _inputs
-from keras.src.layers.attention.linear_attention_test import _layer
-from keras.src.layers.attention.linear_attention_test import (
-    _masked_hybrid_state,
-)
-from keras.src.layers.attention.linear_attention_test import _np_project
-from keras.src.layers.attention.linear_attention_test import _np_reference
-from keras.src.layers.attention.linear_attention_test import _np_weights
-from keras.src.layers.attention.linear_attention_test import _stream
 from keras.src.models import cloning
 from keras.src.utils import rng_utils
 
 # Tolerances. Each comparison is relative to the largest magnitude of the
-# expected values (`_assert_close`), because outputs without the normalizer
+# expected values (`assert_close`), because outputs without the normalizer
 # grow with the sequence length.
 #
 # float32 layer vs the float64 NumPy reference: float32 rounding (~1.2e-7)
@@ -103,8 +101,8 @@ DROPOUT_RECOVERY_RTOL = 1e-3
 DROPOUT_FRACTION_ATOL = 0.05
 
 # A loss scale below 1 for float16 gradients from inputs 100x larger than
-# `_inputs`, whose exact projection gradients exceed float16's largest value
-# (65504), MultiHeadAttention's too, as LossScaleOptimizer would lower it.
+# `random_inputs`, whose exact projection gradients exceed float16's largest
+# value (65504), MultiHeadAttention's too, as LossScaleOptimizer would lower it.
 HALF_PRECISION_LOSS_SCALE = 2.0**-10
 
 # Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
@@ -113,21 +111,6 @@ LONG_LENGTH = 18 * 64 + 5
 # The feature maps and head layouts beyond the default.
 EXTENSIONS = ("favor_plus", "hedgehog", "grouped", "grouped_hedgehog", "taylor")
 EXTENSION_PARAMETERS = [(name, name) for name in EXTENSIONS]
-
-
-def _assert_close(actual, expected, rtol, msg=None):
-    actual = np.asarray(backend.convert_to_numpy(actual), dtype="float64")
-    expected = np.asarray(backend.convert_to_numpy(expected), "float64")
-    if actual.shape != expected.shape:
-        raise AssertionError(
-            f"{msg or ''} shape {actual.shape} != {expected.shape}"
-        )
-    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
-    error = float(np.max(np.abs(actual - expected), initial=0.0))
-    if not error <= rtol * scale:
-        raise AssertionError(
-            f"{msg or ''} max abs error {error:.3g} > {rtol:g} * {scale:.3g}"
-        )
 
 
 def _np_softmax(x):
@@ -144,7 +127,7 @@ def _pieces(length, size):
 def _state_near_1000(state):
     """float32 values near 1000 that float16 and bfloat16 cannot hold."""
     return tuple(
-        (1000.0 + _inputs(tuple(s.shape), seed=3)).astype("float32")
+        (1000.0 + random_inputs(tuple(s.shape), seed=3)).astype("float32")
         for s in state
     )
 
@@ -272,15 +255,15 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # prefix sum over chunks (16 chunks per block) and a partial one.
         # float64, so that any misplaced chunk or block shows far above
         # rounding.
-        with _float64_enabled():
-            layer = _layer(
+        with float64_enabled():
+            layer = make_layer(
                 causal=True,
                 execution_mode="parallel",
                 dtype="float64",
                 config=extension,
                 use_normalizer=normalizer,
             )
-            x = _inputs((2, LONG_LENGTH, INPUT_DIM), dtype="float64")
+            x = random_inputs((2, LONG_LENGTH, INPUT_DIM), dtype="float64")
             mask = np.ones((2, LONG_LENGTH), bool)
             mask[0, 1000:1100] = mask[1, 5:9] = False
             rng = np.random.RandomState(3)
@@ -289,15 +272,15 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 rng.uniform(size=(2, heads, KEY_DIM, VALUE_DIM)),
                 rng.uniform(1, 2, size=(2, heads, KEY_DIM)),
             )[: 2 if normalizer else 1]
-            expected, expected_state = _np_reference(
+            expected, expected_state = np_reference(
                 layer, x, mask, initial_state=initial_state
             )
             y, state = layer(
                 x, mask=mask, initial_state=initial_state, return_state=True
             )
-            _assert_close(y, expected, FLOAT64_RTOL)
+            assert_close(y, expected, FLOAT64_RTOL)
             for actual, reference in zip(state, expected_state):
-                _assert_close(actual, reference, FLOAT64_RTOL)
+                assert_close(actual, reference, FLOAT64_RTOL)
 
     @parameterized.named_parameters([("default", None)] + EXTENSION_PARAMETERS)
     @pytest.mark.skipif(
@@ -311,18 +294,18 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # pieces run with the mask only, to keep the (eager, per-call) test
         # time down; the other feature maps and head layouts run fewer
         # splits.
-        layer = _layer(causal=True, config=extension)
+        layer = make_layer(causal=True, config=extension)
         chunk = layer._chunk_size
         length = chunk + 3
-        x = _inputs((BATCH, length, INPUT_DIM))
+        x = random_inputs((BATCH, length, INPUT_DIM))
         mask = np.ones((BATCH, length), bool)
         mask[0, :5] = False  # left padding
         mask[1, chunk - 2 : chunk + 1] = False  # a gap across a chunk edge
         mask[1, -1:] = False  # right padding
         for step_mask in (None, mask):
             full, full_state = layer(x, mask=step_mask, return_state=True)
-            expected, _ = _np_reference(layer, x, step_mask)
-            _assert_close(full, expected, FLOAT32_RTOL)
+            expected, _ = np_reference(layer, x, step_mask)
+            assert_close(full, expected, FLOAT32_RTOL)
             splits = [
                 [1, length - 1],
                 [chunk - 1, length - chunk + 1],
@@ -338,11 +321,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 sizes = (65,) if step_mask is None else (1, 7)
             splits += [_pieces(length, size) for size in sizes]
             for sizes in splits:
-                streamed, state = _stream(layer, x, sizes, step_mask)
+                streamed, state = stream(layer, x, sizes, step_mask)
                 message = f"sizes={sizes[:3]}, masked={step_mask is not None}"
-                _assert_close(streamed, full, FLOAT32_PARITY_RTOL, message)
+                assert_close(streamed, full, FLOAT32_PARITY_RTOL, message)
                 for actual, reference in zip(state, full_state):
-                    _assert_close(
+                    assert_close(
                         actual,
                         backend.convert_to_numpy(reference),
                         FLOAT32_PARITY_RTOL,
@@ -357,16 +340,16 @@ class LinearAttentionRobustnessTest(testing.TestCase):
     def test_one_token_calls_match_reference(self, use_normalizer, extension):
         # One-token calls run the recurrent step without a scan: the
         # outputs of five such calls and the state after them.
-        layer = _layer(
+        layer = make_layer(
             causal=True, use_normalizer=use_normalizer, config=extension
         )
-        x = _inputs((BATCH, 5, INPUT_DIM))
-        expected, expected_state = _np_reference(layer, x)
-        y, state = _stream(layer, x, [1] * 5)
-        _assert_close(y, expected, FLOAT32_RTOL)
+        x = random_inputs((BATCH, 5, INPUT_DIM))
+        expected, expected_state = np_reference(layer, x)
+        y, state = stream(layer, x, [1] * 5)
+        assert_close(y, expected, FLOAT32_RTOL)
         self.assertLen(state, len(expected_state))
         for actual, reference in zip(state, expected_state):
-            _assert_close(actual, reference, FLOAT32_RTOL)
+            assert_close(actual, reference, FLOAT32_RTOL)
 
     def test_no_quadratic_or_per_token_state_tensor(self):
         # T is larger than every other dimension, so a (T, T) tensor would
@@ -374,7 +357,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # least T * H * Dk * Dv elements (~6x more than the biggest
         # legitimate tensor, the in-chunk scores).
         length, heads, dim = 200, 2, 16
-        x = _inputs((1, length, 8))
+        x = random_inputs((1, length, 8))
         per_token_state = length * heads * dim * dim
         cases = [
             ("non_causal", {}),
@@ -395,7 +378,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 ("recurrent", {"causal": True, "execution_mode": "recurrent"})
             )
         for name, kwargs in cases:
-            layer = _layer(
+            layer = make_layer(
                 num_heads=heads, key_dim=dim, value_dim=dim, **kwargs
             )
             shapes = _recorded_shapes(layer, x)
@@ -425,24 +408,25 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # FAVOR+ takes a maximum over each query's features, which
         # TensorFlow and PyTorch refused for an empty sequence.
         kwargs = CONFIGS.get(extension, {})
-        x = _inputs((BATCH, 0, INPUT_DIM))
+        x = random_inputs((BATCH, 0, INPUT_DIM))
         self.assertEqual(
-            tuple(_layer(build=False, **kwargs)(x).shape), (BATCH, 0, INPUT_DIM)
+            tuple(make_layer(build=False, **kwargs)(x).shape),
+            (BATCH, 0, INPUT_DIM),
         )
         self.assertEqual(
             tuple(
-                _layer(build=False, **kwargs)(
-                    _inputs((0, LENGTH, INPUT_DIM))
+                make_layer(build=False, **kwargs)(
+                    random_inputs((0, LENGTH, INPUT_DIM))
                 ).shape
             ),
             (0, LENGTH, INPUT_DIM),
         )
         for mode in ("auto", "parallel", "recurrent"):
-            layer = _layer(
+            layer = make_layer(
                 build=False, causal=True, execution_mode=mode, **kwargs
             )
             start = tuple(
-                _inputs(tuple(s.shape), seed=3)
+                random_inputs(tuple(s.shape), seed=3)
                 for s in layer.get_initial_state(BATCH)
             )
             y, state = layer(
@@ -456,7 +440,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 self.assertAllEqual(actual, expected)
             # An empty batch: the reshapes into chunks could not count the
             # chunks of zero elements.
-            y, state = layer(_inputs((0, LENGTH, INPUT_DIM)), return_state=True)
+            y, state = layer(
+                random_inputs((0, LENGTH, INPUT_DIM)), return_state=True
+            )
             self.assertEqual(tuple(y.shape), (0, LENGTH, INPUT_DIM))
             for actual, expected in zip(state, layer.get_initial_state(0)):
                 self.assertEqual(tuple(actual.shape), tuple(expected.shape))
@@ -480,11 +466,91 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             {"projection_dtypes": ["int8_from_float32"]},
             "projection_dtypes",
         ),
+        ("num_heads_float", {"num_heads": 2.0}, "num_heads"),
+        ("output_shape_zero", {"output_shape": 0}, "output_shape"),
+        ("feature_map_type", {"feature_map": 3}, "feature_map"),
+        ("dropout_negative", {"dropout": -0.1}, "dropout"),
+        (
+            "epsilon_infinite",
+            {"normalization_epsilon": float("inf")},
+            "normalization_epsilon",
+        ),
+        ("use_normalizer", {"use_normalizer": None}, "use_normalizer"),
+        ("use_bias", {"use_bias": "no"}, "use_bias"),
+        (
+            "num_features_zero",
+            {"feature_map": "favor_plus", "num_features": 0},
+            "num_features",
+        ),
+        (
+            "num_features_odd_random_fourier",
+            {"feature_map": "random_fourier", "num_features": 7},
+            "num_features",
+            "=7",
+        ),
+        (
+            "num_features_taylor",
+            {"feature_map": "taylor", "num_features": 10},
+            "num_features",
+            "=10",
+        ),
+        ("seed_negative", {"seed": -1}, "seed"),
+        ("local_window_negative", {"local_window": -1}, "local_window", "=-1"),
+        ("local_window_float", {"local_window": 2.5}, "local_window", "=2.5"),
+        ("local_window_bool", {"local_window": True}, "local_window", "=True"),
+        ("local_window_string", {"local_window": "8"}, "local_window", "='8'"),
+        ("decay_zero", {"decay": 0.0, "causal": True}, "decay", "=0.0"),
+        ("decay_nan", {"decay": float("nan"), "causal": True}, "decay", "=nan"),
+        ("decay_bool", {"decay": True, "causal": True}, "decay", "=True"),
+        (
+            "decay_list_value",
+            {"decay": [0.9, -0.5], "causal": True},
+            "decay",
+            r"=\[0.9, -0.5\]",
+        ),
+        (
+            "decay_string",
+            {"decay": "linear", "causal": True},
+            "decay",
+            "='linear'",
+        ),
     )
-    def test_invalid_argument_forms(self, kwargs, name):
+    def test_invalid_argument_forms(self, kwargs, name, value=""):
+        # The forms beyond the unit test's `test_invalid_arguments`;
+        # `value`: how the message shows the received value.
         kwargs = {"num_heads": 2, "key_dim": 4, **kwargs}
-        with self.assertRaisesRegex(ValueError, f"`{name}.*Received"):
+        with self.assertRaisesRegex(ValueError, f"`{name}.*Received.*{value}"):
             LinearAttention(**kwargs)
+
+    def test_float16_without_normalizer_warns(self):
+        # Unnormalized outputs grow with the steps attended to, and float16
+        # overflows at 65504; bfloat16 has float32's range.
+        with self.assertWarnsRegex(UserWarning, "use_normalizer=False"):
+            LinearAttention(2, 4, use_normalizer=False, dtype="mixed_float16")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            LinearAttention(2, 4, use_normalizer=False, dtype="mixed_bfloat16")
+            LinearAttention(2, 4, dtype="mixed_float16")
+
+    def test_keras_activation_saved_by_name(self):
+        # Beyond the unit test's `test_custom_feature_map`.
+        config = make_layer(feature_map=activations.softplus).get_config()
+        revived = LinearAttention.from_config(config)
+        self.assertIs(revived.feature_map, activations.softplus)
+
+        # An unregistered function works, but cannot be saved; nor can a
+        # backend op, which would load as another function of its name.
+        def unregistered(x):
+            return ops.exp(x)
+
+        layer = make_layer(feature_map=unregistered)
+        x = random_inputs()
+        self.assertEqual(layer(x).shape, (BATCH, LENGTH, INPUT_DIM))
+        for feature_map in (unregistered, ops.softplus):
+            with self.assertRaisesRegex(
+                ValueError, "register_keras_serializable"
+            ):
+                make_layer(feature_map=feature_map).get_config()
 
     def test_numpy_arguments_and_default_initializers(self):
         # `None` initializers are the defaults (upstream's
@@ -497,7 +563,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             config["kernel_initializer"]["class_name"], "GlorotUniform"
         )
         self.assertEqual(config["bias_initializer"]["class_name"], "Zeros")
-        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, INPUT_DIM))
+        self.assertEqual(
+            layer(random_inputs()).shape, (BATCH, LENGTH, INPUT_DIM)
+        )
         # NumPy scalars, as MultiHeadAttention takes them, become Python
         # values: the configuration stays JSON-serializable.
         layer = LinearAttention(
@@ -530,7 +598,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             self.assertEqual(config[name], value)
             attribute = "_output_shape" if name == "output_shape" else name
             self.assertIs(type(getattr(layer, attribute, None)), type(value))
-        self.assertEqual(layer(_inputs()).shape, (BATCH, LENGTH, 5))
+        self.assertEqual(layer(random_inputs()).shape, (BATCH, LENGTH, 5))
         favor = LinearAttention(
             2, 4, feature_map="favor_plus", num_features=np.int64(6)
         )
@@ -538,31 +606,35 @@ class LinearAttentionRobustnessTest(testing.TestCase):
 
     def test_invalid_input_forms(self):
         # The forms beyond the unit test's `test_invalid_inputs`.
-        layer = _layer(build=False, causal=True)
+        layer = make_layer(build=False, causal=True)
         with self.assertRaisesRegex(ValueError, "rank 3"):
-            layer(_inputs((2, 3, 4, 8)))
+            layer(random_inputs((2, 3, 4, 8)))
         with self.assertRaisesRegex(ValueError, "floating-point"):
-            _layer(build=False)(np.ones((2, 3, 8), "bool"))
+            make_layer(build=False)(np.ones((2, 3, 8), "bool"))
         with self.assertRaisesRegex(ValueError, "input_dim.*must be known"):
-            _layer(build=False)(layers.Input((None, None)))
-        x = _inputs()
+            make_layer(build=False)(layers.Input((None, None)))
+        x = random_inputs()
         with self.assertRaisesRegex(ValueError, "(?i)cross-attention"):
-            _layer(build=False)([x, x])
+            make_layer(build=False)([x, x])
         with self.assertRaises((TypeError, ValueError)):
-            _layer(build=False)(query=x, value=x)
+            make_layer(build=False)(query=x, value=x)
         # Not a mask: e.g. a state passed by position (the second positional
         # argument is `mask`).
-        for mask in (layer.get_initial_state(BATCH), {"mask": 1}):
+        for mask in (layer.get_initial_state(BATCH), {"mask": 1}, "abc"):
             with self.assertRaisesRegex(ValueError, "`mask` must be"):
                 layer(x, mask)
+        with self.assertRaisesRegex(ValueError, "2-D sequence mask"):
+            layer(x, mask=np.ones((BATCH, LENGTH + 1)))
         # Another input width than the layer was built with, symbolically.
         with self.assertRaisesRegex(ValueError, "axis -1 .* value 8"):
-            _layer(causal=True)(layers.Input((None, 6)))
-        for batch_size in (None, -1, True, "2", [2], np.ones((2,))):
+            make_layer(causal=True)(layers.Input((None, 6)))
+        for batch_size in (None, -1, 2.0, True, "2", [2], np.ones((2,))):
             with self.assertRaisesRegex(ValueError, "batch_size"):
                 layer.get_initial_state(batch_size)
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
-            _layer(build=False)(x, initial_state=layer.get_initial_state(2))
+            make_layer(build=False)(x, initial_state=layer.get_initial_state(2))
+        with self.assertRaisesRegex(ValueError, "only supported by causal"):
+            make_layer(build=False).get_initial_state(BATCH)
 
         # A feature map must keep its input's batch, time and heads, and in
         # a causal layer its number of features (the state's); other
@@ -585,22 +657,24 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 ValueError,
                 f"`feature_map` must return.*{re.escape(expected)}.*Received",
             ):
-                _layer(build=False, feature_map=feature_map, causal=causal)(x)
+                make_layer(build=False, feature_map=feature_map, causal=causal)(
+                    x
+                )
         # Non-causal: any number of features, the same for queries and keys.
-        non_causal = _layer(build=False, feature_map=doubled)
+        non_causal = make_layer(build=False, feature_map=doubled)
         outputs = non_causal(x)
-        expected, _ = _np_reference(
+        expected, _ = np_reference(
             non_causal,
             x,
             feature=lambda f: np.concatenate([f * (f > 0), -f * (f < 0)], -1),
         )
-        _assert_close(outputs, expected, FLOAT32_RTOL)
-        favor = _layer(**CONFIGS["favor_plus"])
+        assert_close(outputs, expected, FLOAT32_RTOL)
+        favor = make_layer(**CONFIGS["favor_plus"])
         with self.assertRaisesRegex(ValueError, "`seed`"):
             favor.redraw_random_features(seed=-1)
         # Without dropout, a seed reaches only NumPy, which takes any
         # non-negative integer.
-        favor = _layer(build=False, seed=2**40, **CONFIGS["favor_plus"])
+        favor = make_layer(build=False, seed=2**40, **CONFIGS["favor_plus"])
         favor(x)
         favor.redraw_random_features(seed=2**40)
         if backend.backend() == "tensorflow":
@@ -609,10 +683,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             # A `TensorShape`, as `Dense` and MultiHeadAttention take it.
             shape = tf.TensorShape([None, None, INPUT_DIM])
             self.assertEqual(
-                _layer(build=False).compute_output_shape(shape),
+                make_layer(build=False).compute_output_shape(shape),
                 (None, None, INPUT_DIM),
             )
-            unbuilt = _layer(build=False)
+            unbuilt = make_layer(build=False)
             unbuilt.build(shape)
             self.assertTrue(unbuilt.built)
 
@@ -629,7 +703,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 return self.attention(inputs)
 
         model = Wrapper()
-        model(_inputs((1, 3, 8)))
+        model(random_inputs((1, 3, 8)))
         lines = []
         model.summary(print_fn=lambda line, **kwargs: lines.append(line))
         self.assertIn("LinearAttention", "\n".join(lines))
@@ -639,10 +713,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # same as by keyword, also under mixed precision (`Layer.__call__`
         # added `mask=` for a call with one tensor argument, a second value
         # for a mask given by position).
-        x = _inputs()
+        x = random_inputs()
         mask = np.arange(LENGTH)[None] < [[LENGTH], [40]]
         for dtype in ("float32", "mixed_bfloat16"):
-            layer = _layer(causal=True, dtype=dtype)
+            layer = make_layer(causal=True, dtype=dtype)
             state = layer.get_initial_state(BATCH)
             self.assertAllEqual(layer(x, None), layer(x))
             self.assertAllEqual(layer(x, mask), layer(x, mask=mask))
@@ -667,14 +741,14 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         layer = WithoutTraining(NUM_HEADS, KEY_DIM, causal=True)
         inputs = layers.Input((None, INPUT_DIM))
         model = models.Model(inputs, layer(inputs))
-        x = _inputs()
-        expected, _ = _np_reference(layer, x)
-        _assert_close(model.predict(x, verbose=0), expected, PREDICT_RTOL)
+        x = random_inputs()
+        expected, _ = np_reference(layer, x)
+        assert_close(model.predict(x, verbose=0), expected, PREDICT_RTOL)
 
     # Masks and state.
 
     def test_concrete_mask_on_symbolic_inputs(self):
-        layer = _layer(build=False, causal=True)
+        layer = make_layer(build=False, causal=True)
         outputs = layer(
             layers.Input((None, INPUT_DIM)), mask=np.ones((1, 7), bool)
         )
@@ -687,9 +761,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # at valid steps as each sequence alone. The padding holds large
         # values and NaN so that any leak shows.
         lengths = [5, 9]
-        x = _inputs((2, 9, INPUT_DIM))
+        x = random_inputs((2, 9, INPUT_DIM))
         for causal, side in ((False, "right"), (True, "right"), (True, "left")):
-            layer = _layer(causal=causal, config=extension)
+            layer = make_layer(causal=causal, config=extension)
             padded = np.full((2, 12, INPUT_DIM), 1e4, "float32")
             padded[0, 0] = np.nan
             mask = np.zeros((2, 12), bool)
@@ -703,15 +777,15 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             self.assertFalse(np.any(np.isnan(y)))
             for i, n in enumerate(lengths):
                 alone = layer(x[i : i + 1, :n])
-                _assert_close(y[i : i + 1][:, mask[i]], alone, FLOAT32_RTOL)
+                assert_close(y[i : i + 1][:, mask[i]], alone, FLOAT32_RTOL)
             # Nor into the gradients: the same as with zero padding (a
             # projection of nan padding made every weight gradient nan).
-            upstream = _inputs(padded.shape, seed=2)
+            upstream = random_inputs(padded.shape, seed=2)
             zero_padded = np.where(mask[:, :, None], padded, 0.0)
-            expected = _gradients(layer, zero_padded, upstream, mask=mask)
-            actual = _gradients(layer, padded, upstream, mask=mask)
+            expected = layer_gradients(layer, zero_padded, upstream, mask=mask)
+            actual = layer_gradients(layer, padded, upstream, mask=mask)
             for actual_gradient, expected_gradient in zip(actual, expected):
-                _assert_close(
+                assert_close(
                     actual_gradient, expected_gradient, FLOAT32_GRADIENT_RTOL
                 )
 
@@ -720,8 +794,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # (batch, sequence_length) boolean mask the layer applied (passed
         # on as given, a (batch, 1) mask made the average below T times
         # too large).
-        layer = _layer(causal=True)
-        x = _inputs()
+        layer = make_layer(causal=True)
+        x = random_inputs()
         cases = {
             "column": np.ones((BATCH, 1), bool),
             "row": np.arange(LENGTH)[None] % 3 != 0,
@@ -757,10 +831,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         )
 
     def test_state_not_saved(self):
-        layer = _layer(build=False, causal=True)
+        layer = make_layer(build=False, causal=True)
         inputs = layers.Input((None, 8))
         model = models.Model(inputs, layer(inputs))
-        layer(_inputs(), return_state=True)
+        layer(random_inputs(), return_state=True)
         self.assertNotIn("state", json.dumps(layer.get_config()))
         path = os.path.join(self.get_temp_dir(), "model.keras")
         model.save(path)
@@ -784,12 +858,15 @@ class LinearAttentionRobustnessTest(testing.TestCase):
     # Models and saving.
 
     def test_sequential_and_subclassed_models(self):
-        x = _inputs()
+        x = random_inputs()
         for kwargs in ({}, {"causal": True, "feature_map": "relu"}):
-            layer = _layer(**kwargs)
+            layer = make_layer(**kwargs)
             expected = backend.convert_to_numpy(layer(x))
             sequential = models.Sequential(
-                [layers.Input((None, INPUT_DIM)), _layer(build=False, **kwargs)]
+                [
+                    layers.Input((None, INPUT_DIM)),
+                    make_layer(build=False, **kwargs),
+                ]
             )
             sequential.set_weights(layer.get_weights())
             self.assertAllClose(sequential(x), expected, atol=0, rtol=0)
@@ -830,7 +907,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             os.path.join(directory, "linear_attention_v1.keras")
         )
         self.assertLen(model.weights, 16)
-        _assert_close(
+        assert_close(
             model(expected["inputs"]), expected["outputs"], FLOAT32_RTOL
         )
         causal = model.get_layer("causal")
@@ -840,17 +917,46 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             initial_state=causal.get_initial_state(2),
             return_state=True,
         )
-        _assert_close(state[0], expected["key_value_state"], FLOAT32_RTOL)
-        _assert_close(state[1], expected["key_state"], FLOAT32_RTOL)
+        assert_close(state[0], expected["key_value_state"], FLOAT32_RTOL)
+        assert_close(state[1], expected["key_state"], FLOAT32_RTOL)
+
+    def test_v2_saved_model_loads_unchanged(self):
+        # `testdata/linear_attention_v2.keras` was saved after the feature
+        # maps became objects with their own weights (`<layer>/
+        # feature_map_layer/...` in the file), with every weighted map and
+        # option, its weights moved away from their initial values, and its
+        # outputs on fixed inputs in the `.npz` beside it. Made on
+        # TensorFlow with:
+        #   inputs = keras.Input((None, 8))
+        #   x = LinearAttention(2, 4, feature_map="favor_plus",
+        #       num_features=8, causal=True, seed=1)(inputs)
+        #   x = LinearAttention(4, 4, num_key_value_heads=2,
+        #       feature_map="hedgehog")(x)
+        #   x = LinearAttention(2, 4, feature_map="random_fourier",
+        #       num_features=8, seed=2, causal=True, decay="learned")(x)
+        #   x = LinearAttention(2, 3, feature_map="taylor", causal=True,
+        #       local_window=3)(x)
+        #   x = LinearAttention(2, 4, feature_map="cosformer")(x)
+        # The layout must not change again: the weights load by path, on
+        # every backend.
+        directory = os.path.join(os.path.dirname(__file__), "testdata")
+        expected = np.load(os.path.join(directory, "linear_attention_v2.npz"))
+        model = saving.load_model(
+            os.path.join(directory, "linear_attention_v2.keras")
+        )
+        self.assertLen(model.weights, 46)
+        assert_close(
+            model(expected["inputs"]), expected["outputs"], FLOAT32_RTOL
+        )
 
     def test_dynamic_length_functional_model(self):
         inputs = layers.Input((None, INPUT_DIM))
-        layer = _layer(build=False, causal=True)
+        layer = make_layer(build=False, causal=True)
         model = models.Model(inputs, layer(inputs))
         for length in (1, 3, 70):
-            x = _inputs((BATCH, length, INPUT_DIM))
-            expected, _ = _np_reference(layer, x)
-            _assert_close(model.predict(x, verbose=0), expected, PREDICT_RTOL)
+            x = random_inputs((BATCH, length, INPUT_DIM))
+            expected, _ = np_reference(layer, x)
+            assert_close(model.predict(x, verbose=0), expected, PREDICT_RTOL)
 
     # Feature maps.
 
@@ -872,31 +978,31 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             with self.assertRaisesRegex(
                 ValueError, "register_keras_serializable"
             ):
-                _layer(build=False, feature_map=feature_map).get_config()
+                make_layer(build=False, feature_map=feature_map).get_config()
 
     def test_registered_callable_object_as_feature_map(self):
-        layer = _layer(causal=True, feature_map=PowerFeatureMap(3))
+        layer = make_layer(causal=True, feature_map=PowerFeatureMap(3))
         revived = LinearAttention.from_config(layer.get_config())
         self.assertIsInstance(revived.feature_map, PowerFeatureMap)
         revived.build((None, None, INPUT_DIM))
         revived.set_weights(layer.get_weights())
-        x = _inputs()
-        expected, _ = _np_reference(
+        x = random_inputs()
+        expected, _ = np_reference(
             layer, x, feature=lambda f: np.maximum(f, 0.0) ** 3 + 1.0
         )
-        _assert_close(revived(x), expected, FLOAT32_RTOL)
+        assert_close(revived(x), expected, FLOAT32_RTOL)
 
     def test_custom_feature_map_layer(self):
         def softplus(x):
             return np.logaddexp(0.0, x)
 
-        x = _inputs()
+        x = random_inputs()
         for causal, kwargs in ((False, {}), (True, CONFIGS["grouped"])):
-            layer = _layer(
+            layer = make_layer(
                 causal=causal, feature_map=SoftplusFeatureMap(), **kwargs
             )
-            expected, _ = _np_reference(layer, x, feature=softplus)
-            _assert_close(layer(x), expected, FLOAT32_RTOL)
+            expected, _ = np_reference(layer, x, feature=softplus)
+            assert_close(layer(x), expected, FLOAT32_RTOL)
             inputs = layers.Input((None, INPUT_DIM))
             model = models.Model(inputs, layer(inputs))
             path = os.path.join(self.get_temp_dir(), "layer_map.keras")
@@ -913,7 +1019,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # model's and weights files load into a new model.
         def model():
             inputs = layers.Input((None, INPUT_DIM))
-            layer = _layer(
+            layer = make_layer(
                 build=False, causal=True, feature_map=ScaledSoftplusFeatureMap()
             )
             return models.Model(inputs, layer(inputs))
@@ -926,7 +1032,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             first.layers[1].feature_map.build_shape,
             (None, None, NUM_HEADS, KEY_DIM),
         )
-        x = _inputs()
+        x = random_inputs()
         path = os.path.join(self.get_temp_dir(), "map.weights.h5")
         first.save_weights(path)
         second.load_weights(path)
@@ -936,8 +1042,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         def scaled_softplus(features):
             return np.logaddexp(0.0, features * scale)
 
-        expected, _ = _np_reference(first.layers[1], x, feature=scaled_softplus)
-        _assert_close(first(x), expected, FLOAT32_RTOL)
+        expected, _ = np_reference(first.layers[1], x, feature=scaled_softplus)
+        assert_close(first(x), expected, FLOAT32_RTOL)
 
     def test_feature_map_layer_without_build(self):
         # A map whose sublayer is built by running it (it has no `build()`)
@@ -952,7 +1058,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 return ops.softplus(self.dense(x))
 
         inputs = layers.Input((None, INPUT_DIM))
-        layer = _layer(build=False, causal=True, feature_map=DenseFeatureMap())
+        layer = make_layer(
+            build=False, causal=True, feature_map=DenseFeatureMap()
+        )
         with warnings.catch_warnings():
             # Keras's warning; NumPy's symbolic call may warn of overflows.
             warnings.simplefilter("error", UserWarning)
@@ -965,10 +1073,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # features are cast back, so that keys, key sums and states stay
         # float32 (before, TensorFlow and PyTorch failed adding float16
         # keys to the float32 state).
-        x = _inputs()
-        reference = _layer(causal=True, feature_map=SoftplusFeatureMap())
+        x = random_inputs()
+        reference = make_layer(causal=True, feature_map=SoftplusFeatureMap())
         for length in (1, LENGTH):  # the recurrent and the parallel path
-            layer = _layer(
+            layer = make_layer(
                 causal=True,
                 dtype="mixed_float16",
                 feature_map=SoftplusFeatureMap(dtype="mixed_float16"),
@@ -979,20 +1087,22 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 x[:, :length], return_state=True
             )
             self.assertDType(outputs, "float16")
-            _assert_close(outputs, expected, MIXED_FLOAT16_RTOL)
+            assert_close(outputs, expected, MIXED_FLOAT16_RTOL)
             for actual, wanted in zip(state, expected_state):
                 self.assertDType(actual, "float32")
-                _assert_close(actual, wanted, MIXED_FLOAT16_RTOL)
+                assert_close(actual, wanted, MIXED_FLOAT16_RTOL)
 
     def test_feature_map_weights_are_not_autocast(self):
         # Read in float32 inside the layer's bfloat16 autocast scope.
         for extension, name in (
             ("favor_plus", "random_features"),
-            ("hedgehog", "feature_map_kernel"),
+            ("hedgehog", "kernel"),
         ):
-            layer = _layer(config=extension, dtype="mixed_bfloat16")
+            layer = make_layer(config=extension, dtype="mixed_bfloat16")
             with backend.AutocastScope("bfloat16"):
-                self.assertDType(getattr(layer, name).value, "float32")
+                self.assertDType(
+                    getattr(layer.feature_map_layer, name).value, "float32"
+                )
 
     def test_feature_map_runs_in_the_accumulator_dtype(self):
         # Under mixed precision, a callable map gets float32 queries and
@@ -1004,11 +1114,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             seen.append(backend.standardize_dtype(x.dtype))
             return ops.softplus(x)
 
-        layer = _layer(
+        layer = make_layer(
             causal=True, feature_map=feature_map, dtype="mixed_bfloat16"
         )
         for length in (1, 9):
-            layer(_inputs((BATCH, length, INPUT_DIM)))
+            layer(random_inputs((BATCH, length, INPUT_DIM)))
         self.assertEqual(set(seen), {"float32"})
 
     def test_hedgehog_kernel_constraint_per_head(self):
@@ -1016,41 +1126,90 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # unit columns along key_dim, for each head (here only one, so
         # that a constraint along the heads axis would make every entry
         # +-1) and feature.
-        layer = _layer(
+        layer = make_layer(
             num_heads=4,
             num_key_value_heads=1,
             feature_map="hedgehog",
             kernel_constraint="unit_norm",
         )
-        kernel = layer.feature_map_kernel
+        kernel = layer.feature_map_layer.kernel
         constrained = backend.convert_to_numpy(kernel.constraint(kernel.value))
-        _assert_close(
+        assert_close(
             np.linalg.norm(constrained, axis=1),
             np.ones((kernel.shape[0], kernel.shape[2])),
             FLOAT32_RTOL,
         )
 
     def test_favor_plus_seed_forms(self):
-        # Beyond the unit test's `test_favor_plus_random_features`.
-        layer = _layer(feature_map="favor_plus", num_features=8, seed=1)
-        features = backend.convert_to_numpy(layer.random_features)
-        numpy_seed = _layer(
+        # Beyond the unit test's `test_redraw_random_features`.
+        layer = make_layer(feature_map="favor_plus", num_features=8, seed=1)
+        features = backend.convert_to_numpy(
+            layer.feature_map_layer.random_features
+        )
+        numpy_seed = make_layer(
             feature_map="favor_plus", num_features=8, seed=np.int64(1)
         )
-        self.assertAllEqual(numpy_seed.random_features, features)
+        self.assertAllEqual(
+            numpy_seed.feature_map_layer.random_features, features
+        )
         self.assertIs(type(numpy_seed.get_config()["seed"]), int)
         # Two unseeded layers after one reset of the global seed differ.
         rng_utils.set_random_seed(11)
-        first = _layer(feature_map="favor_plus", seed=None)
-        second = _layer(feature_map="favor_plus", seed=None)
-        self.assertNotAllClose(first.random_features, second.random_features)
+        first = make_layer(feature_map="favor_plus", seed=None)
+        second = make_layer(feature_map="favor_plus", seed=None)
+        self.assertNotAllClose(
+            first.feature_map_layer.random_features,
+            second.feature_map_layer.random_features,
+        )
         # Without a seed, each redraw draws new features (not the layer's
         # seed again).
         layer.redraw_random_features()
-        redrawn = backend.convert_to_numpy(layer.random_features)
+        redrawn = backend.convert_to_numpy(
+            layer.feature_map_layer.random_features
+        )
         layer.redraw_random_features()
-        self.assertNotAllClose(layer.random_features, redrawn)
+        self.assertNotAllClose(layer.feature_map_layer.random_features, redrawn)
         self.assertNotAllClose(redrawn, features)
+
+    @parameterized.named_parameters(
+        (
+            "favor_plus",
+            "favor_plus",
+            [
+                [0.12399566, 2.31347941, -0.39258433, 0.51338501],
+                [-0.46757301, 0.35820687, -0.92949766, -1.28542236],
+                [-0.1926589, 0.61961084, 2.0031738, 1.0452387],
+            ],
+        ),
+        (
+            "random_fourier",
+            "random_fourier",
+            [
+                [0.19602582, 1.5882773, -0.57917292, 0.15411815],
+                [-0.73919026, 0.24592042, -1.37127194, -0.38588371],
+                [-0.30457614, 0.42538258, 2.95524793, 0.31378059],
+            ],
+        ),
+    )
+    def test_random_features_drawn_from_the_seed(self, feature_map, expected):
+        # Beyond the unit test's `test_redraw_random_features`: drawn with
+        # NumPy from the seed, the same on every backend and across the
+        # layer's versions, in orthogonal blocks of key_dim directions.
+        layer = make_layer(feature_map=feature_map, num_features=8, seed=1)
+        features = layer.feature_map_layer.random_features
+        features = backend.convert_to_numpy(features)
+        self.assertAllClose(features[:, :4], expected, atol=1e-6)
+        for block in (features[:, :3], features[:, 3:6]):
+            gram = block.T @ block
+            self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-5)
+        # Without a seed, the features follow keras.utils.set_random_seed.
+        drawn = []
+        for _ in range(2):
+            rng_utils.set_random_seed(11)
+            unseeded = make_layer(feature_map=feature_map, seed=None)
+            features = unseeded.feature_map_layer.random_features
+            drawn.append(backend.convert_to_numpy(features))
+        self.assertAllEqual(drawn[0], drawn[1])
 
     # Dropout, quantization and mixed precision.
 
@@ -1061,8 +1220,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # the output kernel is a square 8x8 matrix: undoing it recovers the
         # head outputs, each 0 or the reference's scaled.
         rate = 0.25
-        layer = _layer(causal=True, dropout=rate, value_dim=4, use_bias=False)
-        x = _inputs()
+        layer = make_layer(
+            causal=True, dropout=rate, value_dim=4, use_bias=False
+        )
+        x = random_inputs()
         # Orthogonal, so that undoing it is exact up to rounding (a random
         # kernel may be ill-conditioned).
         kernel, _ = np.linalg.qr(
@@ -1077,11 +1238,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             outputs = np.asarray(outputs, "float64").reshape(-1, INPUT_DIM)
             return np.linalg.solve(kernel.T, outputs.T).T
 
-        expected = heads(_np_reference(layer, x)[0])
+        expected = heads(np_reference(layer, x)[0])
         actual = heads(backend.convert_to_numpy(layer(x, training=True)))
         kept = np.abs(actual) > DROPOUT_RECOVERY_RTOL * np.abs(expected).max()
         self.assertAllClose(1 - kept.mean(), rate, atol=DROPOUT_FRACTION_ATOL)
-        _assert_close(
+        assert_close(
             actual[kept], expected[kept] / (1 - rate), DROPOUT_RECOVERY_RTOL
         )
 
@@ -1089,9 +1250,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
     def test_quantized_model_copies(self, mode):
         # Beyond the unit test's `test_quantize`: saved again, copied with
         # other layer names, rebuilt from the config, and the weights file.
-        x = _inputs()
+        x = random_inputs()
         inputs = layers.Input((None, INPUT_DIM))
-        layer = _layer(build=False, causal=True)
+        layer = make_layer(build=False, causal=True)
         model = models.Model(inputs, layer(inputs))
         model.quantize(mode)
         y = model(x)
@@ -1127,7 +1288,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # Weights load into a model quantized the same way.
         path = os.path.join(self.get_temp_dir(), "quantized.weights.h5")
         model.save_weights(path)
-        fresh = models.Model(inputs, _layer(build=False, causal=True)(inputs))
+        fresh = models.Model(
+            inputs, make_layer(build=False, causal=True)(inputs)
+        )
         fresh.quantize(mode)
         self.assertNotAllClose(fresh(x), y)
         fresh.load_weights(path)
@@ -1144,7 +1307,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         class Wrapper(models.Model):
             def __init__(self, **kwargs):
                 super().__init__(**kwargs)
-                self.attention = _layer(
+                self.attention = make_layer(
                     build=False, causal=True, dtype=policy_map, name="attention"
                 )
 
@@ -1152,7 +1315,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 return self.attention(x)
 
         wrapper = Wrapper(name="wrapper")
-        y = wrapper(_inputs())
+        y = wrapper(random_inputs())
         layer = wrapper.attention
         self.assertEqual(layer.path, "wrapper/attention")
         for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
@@ -1163,15 +1326,66 @@ class LinearAttentionRobustnessTest(testing.TestCase):
     @parameterized.named_parameters(
         ("float16", "float16"), ("bfloat16", "bfloat16")
     )
+    @pytest.mark.skipif(
+        backend.backend() == "openvino",
+        reason="OpenVINO may run float32 ops on half-precision values in "
+        "half precision.",
+    )
+    def test_mixed_precision_state_is_float32(self, dtype):
+        # Beyond the unit test's `test_mixed_precision`, which compares the
+        # state with a float32 layer's to half-precision tolerances.
+        layer = make_layer(causal=True, dtype=f"mixed_{dtype}")
+        x = random_inputs()
+        # The state sums the half-precision keys and values in float32:
+        # against a float64 sum of the same projections, off by float32
+        # rounding only.
+        _, state = layer(x, return_state=True)
+        key, value = (
+            np.asarray(backend.convert_to_numpy(dense(x)), "float64")
+            for dense in (layer.key_dense, layer.value_dense)
+        )
+        feature = np.where(key > 0, key + 1.0, np.exp(np.minimum(key, 0.0)))
+        expected = (
+            np.einsum("bthd,bthe->bhde", feature, value),
+            feature.sum(axis=1),
+        )
+        for actual, wanted in zip(state, expected):
+            self.assertDType(actual, "float32")
+            assert_close(actual, wanted, FLOAT32_RTOL)
+        # A carried state is not rounded to the compute dtype: values near
+        # 1000 with fractions that float16 and bfloat16 cannot hold, and
+        # the state is a sum over steps from it.
+        zeros = layer.get_initial_state(BATCH)
+        start = tuple(
+            (1000.0 + random_inputs(tuple(s.shape), seed=3)).astype("float32")
+            for s in zeros
+        )
+        for length in (1, LENGTH):  # the recurrent and the parallel path
+            x = random_inputs((BATCH, length, INPUT_DIM))
+            _, from_zeros = layer(x, initial_state=zeros, return_state=True)
+            _, from_start = layer(x, initial_state=start, return_state=True)
+            for actual, base, expected in zip(from_start, from_zeros, start):
+                self.assertDType(actual, "float32")
+                assert_close(
+                    backend.convert_to_numpy(actual)
+                    - backend.convert_to_numpy(base),
+                    expected,
+                    FLOAT32_RTOL,
+                    msg=f"length {length}",
+                )
+
+    @parameterized.named_parameters(
+        ("float16", "float16"), ("bfloat16", "bfloat16")
+    )
     def test_mixed_precision_state_passed_in_other_ways(self, dtype):
-        # Beyond the unit test's `test_mixed_precision_state_is_float32`:
+        # Beyond `test_mixed_precision_state_is_float32`:
         # the state passed by position (with a mask), as variables (read
         # outside the layer's autocast scope), and through a subclassed
         # model that does not cast its arguments, is not rounded either.
-        layer = _layer(causal=True, dtype=f"mixed_{dtype}")
+        layer = make_layer(causal=True, dtype=f"mixed_{dtype}")
         start = _state_near_1000(layer.get_initial_state(BATCH))
         for length in (1, LENGTH):  # the recurrent and the parallel path
-            x = _inputs((BATCH, length, INPUT_DIM))
+            x = random_inputs((BATCH, length, INPUT_DIM))
             _, from_start = layer(x, initial_state=start, return_state=True)
             _, by_position = layer(
                 x, np.ones((BATCH, length)), start, return_state=True
@@ -1203,7 +1417,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         layer = WithoutTraining(
             NUM_HEADS, KEY_DIM, causal=True, dtype="mixed_bfloat16"
         )
-        x = _inputs()
+        x = random_inputs()
         zeros = layer.get_initial_state(BATCH)
         start = _state_near_1000(zeros)
         _, from_zeros = layer(
@@ -1213,7 +1427,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             x, initial_state=start, return_state=True, training=False
         )
         for actual, base, expected in zip(from_start, from_zeros, start):
-            _assert_close(
+            assert_close(
                 backend.convert_to_numpy(actual)
                 - backend.convert_to_numpy(base),
                 expected,
@@ -1224,7 +1438,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # The model's graph holds the layer's arguments as given (no casts
         # of them): the mask from `Masking` reaches the layer with the
         # state, and padding stays out of outputs and state.
-        layer = _layer(causal=True, dtype="mixed_bfloat16")
+        layer = make_layer(causal=True, dtype="mixed_bfloat16")
         inputs = layers.Input((None, INPUT_DIM))
         states = tuple(
             layers.Input(tuple(s.shape[1:])) for s in layer.get_initial_state(1)
@@ -1240,10 +1454,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             ["InputLayer", "Masking", "InputLayer", "InputLayer"]
             + ["LinearAttention"],
         )
-        x = _inputs()
+        x = random_inputs()
         x[1, 40:] = 0.0
         start = tuple(
-            _inputs(tuple(s.shape), seed=3)
+            random_inputs(tuple(s.shape), seed=3)
             for s in layer.get_initial_state(BATCH)
         )
         y, *state = model([x, *start])
@@ -1257,28 +1471,30 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             initial_state=start,
             return_state=True,
         )
-        _assert_close(y, expected, FLOAT32_PARITY_RTOL)
+        assert_close(y, expected, FLOAT32_PARITY_RTOL)
         for actual, reference in zip(state, expected_state):
-            _assert_close(actual, reference, FLOAT32_PARITY_RTOL)
+            assert_close(actual, reference, FLOAT32_PARITY_RTOL)
 
     # Numerical edge cases.
 
     def test_float64_numerical_gradient(self):
-        with _float64_enabled():
+        with float64_enabled():
             for causal, extension in (
                 (False, None),
                 (True, None),
                 (True, "favor_plus"),
                 (True, "grouped_hedgehog"),
             ):
-                layer = _layer(causal=causal, dtype="float64", config=extension)
+                layer = make_layer(
+                    causal=causal, dtype="float64", config=extension
+                )
                 # Causal: across a chunk edge, so that the gradients of the
                 # prefix over chunks are checked too.
                 length = layer._chunk_size + 3 if causal else 9
                 shape = (1, length, INPUT_DIM)
-                x = _inputs(shape, dtype="float64")
-                upstream = _inputs(shape, seed=2, dtype="float64")
-                analytic = _gradients(layer, x, upstream)[0]
+                x = random_inputs(shape, dtype="float64")
+                upstream = random_inputs(shape, seed=2, dtype="float64")
+                analytic = layer_gradients(layer, x, upstream)[0]
 
                 # Central differences, every input element shifted in a
                 # batch of its own: one call for all of them (the examples
@@ -1292,7 +1508,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 )
                 numeric = (losses[: x.size] - losses[x.size :]) / (2 * step)
                 numeric = numeric.reshape(x.shape)
-                _assert_close(
+                assert_close(
                     analytic, numeric, FINITE_DIFFERENCE_RTOL, extension
                 )
 
@@ -1302,7 +1518,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # features are large too: no statistic over the sequence keeps them
         # finite, only float32 features and the per-token query shift.
         length = 16384
-        upstream = _inputs((1, length, 4), seed=1)
+        upstream = random_inputs((1, length, 4), seed=1)
         for dtype, kwargs in (
             ("float16", {}),
             ("bfloat16", {}),
@@ -1310,7 +1526,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             ("bfloat16", {"feature_map": "favor_plus", "num_features": 16}),
         ):
             scale = 4.0 if kwargs else 1.0
-            x = scale * _inputs((1, length, 4))
+            x = scale * random_inputs((1, length, 4))
             layer = LinearAttention(
                 1, 4, causal=True, dtype=f"mixed_{dtype}", seed=0, **kwargs
             )
@@ -1320,7 +1536,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 self.assertTrue(
                     np.all(np.isfinite(backend.convert_to_numpy(s)))
                 )
-            for gradient in _gradients(layer, x, upstream):
+            for gradient in layer_gradients(layer, x, upstream):
                 self.assertTrue(np.all(np.isfinite(gradient)), dtype)
 
     def test_elu_plus_one_far_below_zero(self):
@@ -1328,13 +1544,13 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # in float32, where it is exp(x). Projections around -20 (features
         # ~2e-9) and an epsilon far below the denominators: the outputs are
         # weighted means of the values, as in the reference, not zero.
-        x = 0.1 * _inputs()
+        x = 0.1 * random_inputs()
         for causal in (False, True):
-            layer = _layer(causal=causal, normalization_epsilon=1e-30)
+            layer = make_layer(causal=causal, normalization_epsilon=1e-30)
             for dense in (layer.query_dense, layer.key_dense):
                 dense.bias.assign(np.full(dense.bias.shape, -20.0))
-            expected, _ = _np_reference(layer, x)
-            _assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
+            expected, _ = np_reference(layer, x)
+            assert_close(layer(x), expected, FLOAT32_RTOL, msg=causal)
 
     @parameterized.named_parameters(
         ("keys", ("key",)), ("queries_and_keys", ("query", "key"))
@@ -1346,27 +1562,29 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # outputs without it); queries at the cap need their per-token
         # shift as well (features near exp(60) times keys near exp(60)
         # overflow float32). The float64 reference caps and shifts too.
-        x = 0.1 * _inputs()
+        x = 0.1 * random_inputs()
         for causal in (False, True):
-            layer = _layer(
+            layer = make_layer(
                 feature_map="favor_plus", num_features=8, causal=causal
             )
-            features = backend.convert_to_numpy(layer.random_features)
+            features = backend.convert_to_numpy(
+                layer.feature_map_layer.random_features
+            )
             column = features[:, 0] * 20.0 / np.linalg.norm(features[:, 0])
             features[:, 0] = column
-            layer.random_features.assign(features)
+            layer.feature_map_layer.random_features.assign(features)
             bias = np.broadcast_to(column * KEY_DIM**0.25, (NUM_HEADS, KEY_DIM))
             for name in projections:
                 getattr(layer, f"{name}_dense").bias.assign(bias)
             y = backend.convert_to_numpy(layer(x))
             self.assertTrue(np.all(np.isfinite(y)), msg=causal)
-            expected, _ = _np_reference(layer, x)
-            _assert_close(y, expected, FLOAT32_RTOL, msg=causal)
+            expected, _ = np_reference(layer, x)
+            assert_close(y, expected, FLOAT32_RTOL, msg=causal)
 
     def test_near_zero_denominators_are_finite(self):
         # relu of negative projections is 0, so features are epsilon and the
         # denominator is ~epsilon^2: outputs and gradients must stay finite.
-        x = -np.abs(_inputs())
+        x = -np.abs(random_inputs())
         for causal in (False, True):
             layer = LinearAttention(
                 2,
@@ -1377,7 +1595,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             )
             y = backend.convert_to_numpy(layer(x))
             self.assertTrue(np.all(np.isfinite(y)))
-            for gradient in _gradients(layer, x, _inputs(seed=1)):
+            for gradient in layer_gradients(layer, x, random_inputs(seed=1)):
                 self.assertTrue(np.all(np.isfinite(gradient)))
 
     def test_favor_plus_approaches_softmax_attention(self):
@@ -1393,18 +1611,18 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # Monte Carlo estimates converge like 1 / sqrt(num_features), and
         # slower for larger logits: with inputs twice as large, non-causal
         # errors are 0.73 -> 0.35 (uniform: 0.88).
-        x = 0.5 * _inputs((2, 16, INPUT_DIM))
+        x = 0.5 * random_inputs((2, 16, INPUT_DIM))
         dims = {"num_heads": 2, "key_dim": 4, "value_dim": 4}
-        base = _layer(**dims)
+        base = make_layer(**dims)
         # NumPy weights, so that every backend measures the same numbers.
         rng = np.random.RandomState(0)
         for variable in base.weights:
             scale = 0.1 if "bias" in variable.path else 0.4
             variable.assign(scale * rng.normal(size=variable.shape))
-        weights = _np_weights(base)
+        weights = np_weights(base)
 
         query, key, value = (
-            _np_project(base, weights, x.astype("float64"), name)
+            np_project(base, weights, x.astype("float64"), name)
             for name in ("query", "key", "value")
         )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / 2.0
@@ -1426,7 +1644,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             for num_features in (16, 64, 256, 1024):
                 seed_errors = []
                 for seed in range(8):
-                    layer = _layer(
+                    layer = make_layer(
                         causal=causal,
                         feature_map="favor_plus",
                         num_features=num_features,
@@ -1471,8 +1689,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # whole chunks (the length): neither is an integer nor a tensor.
         # (TensorFlow's `None` sizes are tensors: see
         # `test_compiled_dynamic_lengths`.)
-        layer = _layer(causal=True)
-        x = _inputs()
+        layer = make_layer(causal=True)
+        x = random_inputs()
         if backend.backend() == "jax":
             import jax
             from jax import export
@@ -1482,8 +1700,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 jax.ShapeDtypeStruct((batch, length, INPUT_DIM), "float32")
             )
             for inputs in (x, x[:, :9]):
-                expected, _ = _np_reference(layer, inputs)
-                _assert_close(exported.call(inputs), expected, FLOAT32_RTOL)
+                expected, _ = np_reference(layer, inputs)
+                assert_close(exported.call(inputs), expected, FLOAT32_RTOL)
         elif backend.backend() == "torch":
             import torch
 
@@ -1507,11 +1725,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                     {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},
                 ),
             )
-            long_x = _inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
+            long_x = random_inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
             for inputs in (x, x[:1, :9], x[:, :64], long_x):
-                expected, _ = _np_reference(layer, inputs)
+                expected, _ = np_reference(layer, inputs)
                 inputs = torch.from_numpy(np.ascontiguousarray(inputs))
-                _assert_close(exported.module()(inputs), expected, FLOAT32_RTOL)
+                assert_close(exported.module()(inputs), expected, FLOAT32_RTOL)
         else:
             self.skipTest("TensorFlow: `None` sizes are tensors.")
 
@@ -1525,19 +1743,19 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         import tensorflow as tf
 
         inputs = layers.Input((None, INPUT_DIM))
-        layer = _layer(build=False, causal=True)
+        layer = make_layer(build=False, causal=True)
         model = models.Model(inputs, layer(inputs))
         path = os.path.join(self.get_temp_dir(), "exported")
         model.export(path, format="tf_saved_model", verbose=False)
         served = tf.saved_model.load(path)
-        x = _inputs()
+        x = random_inputs()
         for inputs in (x, x[:1, :9]):
-            expected, _ = _np_reference(layer, inputs)
-            _assert_close(served.serve(inputs), expected, FLOAT32_RTOL)
+            expected, _ = np_reference(layer, inputs)
+            assert_close(served.serve(inputs), expected, FLOAT32_RTOL)
 
     @pytest.mark.requires_trainable_backend
     def test_compiled_dynamic_lengths(self):
-        x = _inputs()
+        x = random_inputs()
         lengths = (LENGTH, 9)
         if backend.backend() == "torch":
             # `torch.compile` works, but compiling the causal layer costs
@@ -1546,12 +1764,12 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             lengths = (LENGTH,)
         for causal in (False, True):
             inputs = layers.Input((None, INPUT_DIM))
-            layer = _layer(build=False, causal=causal)
+            layer = make_layer(build=False, causal=causal)
             model = models.Model(inputs, layer(inputs))
             model.compile(jit_compile=True)
             for length in lengths:
-                expected, _ = _np_reference(layer, x[:, :length])
-                _assert_close(
+                expected, _ = np_reference(layer, x[:, :length])
+                assert_close(
                     model.predict(x[:, :length], verbose=0),
                     expected,
                     FLOAT32_RTOL,
@@ -1559,7 +1777,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         if backend.backend() == "jax":
             import jax
 
-            layer = _layer(causal=True)
+            layer = make_layer(causal=True)
             trainable = [v.value for v in layer.trainable_variables]
 
             @jax.jit
@@ -1569,28 +1787,28 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 )[0]
 
             _, state = step(x[:, :1], layer.get_initial_state(BATCH))
-            expected, _ = _np_reference(layer, x[:, :2])
+            expected, _ = np_reference(layer, x[:, :2])
             y, _ = step(x[:, 1:2], state)
-            _assert_close(y, expected[:, 1:2], FLOAT32_RTOL)
+            assert_close(y, expected[:, 1:2], FLOAT32_RTOL)
         if backend.backend() == "tensorflow":
             import tensorflow as tf
 
-            layer = _layer(causal=True)
+            layer = make_layer(causal=True)
             function = tf.function(
                 lambda x: layer(x, return_state=True),
                 jit_compile=True,
                 input_signature=[tf.TensorSpec((None, None, INPUT_DIM))],
             )
-            long_x = _inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
+            long_x = random_inputs((BATCH, LONG_LENGTH, INPUT_DIM), seed=2)
             for inputs in (x, x[:, :9], long_x):
-                expected, _ = _np_reference(layer, inputs)
-                _assert_close(function(inputs)[0], expected, FLOAT32_RTOL)
+                expected, _ = np_reference(layer, inputs)
+                assert_close(function(inputs)[0], expected, FLOAT32_RTOL)
             # The scan over steps with a length unknown while tracing, also
             # for an empty piece of a stream (whose outputs could not be
             # stacked, nor compiled by XLA), from a carried state.
-            recurrent = _layer(causal=True, execution_mode="recurrent")
+            recurrent = make_layer(causal=True, execution_mode="recurrent")
             start = tuple(
-                _inputs(tuple(s.shape), seed=3)
+                random_inputs(tuple(s.shape), seed=3)
                 for s in recurrent.get_initial_state(BATCH)
             )
             for jit_compile in (False, True):
@@ -1606,14 +1824,14 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 for actual, expected in zip(state, start):
                     self.assertAllEqual(actual, expected)
                 y, state = function(x[:, :9])
-                expected, expected_state = _np_reference(
+                expected, expected_state = np_reference(
                     recurrent, x[:, :9], initial_state=start
                 )
-                _assert_close(y, expected, FLOAT32_RTOL)
+                assert_close(y, expected, FLOAT32_RTOL)
                 for actual, expected in zip(state, expected_state):
-                    _assert_close(actual, expected, FLOAT32_RTOL)
+                    assert_close(actual, expected, FLOAT32_RTOL)
                 # Gradients through the extra step, against eager ones.
-                upstream = _inputs(seed=5)[:, :9]
+                upstream = random_inputs(seed=5)[:, :9]
 
                 @tf.function(
                     jit_compile=jit_compile,
@@ -1627,14 +1845,14 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                     return tape.gradient(loss, [x, recurrent._key_dense.kernel])
 
                 compiled = gradients(x[:, :9])
-                eager = _gradients(
+                eager = layer_gradients(
                     recurrent, x[:, :9], upstream, initial_state=start
                 )
-                _assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
-                _assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
+                assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
+                assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
             # Gradients under XLA, through the scan over time steps and
             # the prefix over chunks, against eager gradients.
-            upstream = _inputs(seed=5)
+            upstream = random_inputs(seed=5)
             for mode in ("recurrent", "parallel"):
                 layer.execution_mode = mode
 
@@ -1646,9 +1864,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                     return tape.gradient(loss, [x, layer._key_dense.kernel])
 
                 compiled = gradients(tf.constant(x))
-                eager = _gradients(layer, x, upstream)
-                _assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
-                _assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
+                eager = layer_gradients(layer, x, upstream)
+                assert_close(compiled[0], eager[0], FLOAT32_GRADIENT_RTOL)
+                assert_close(compiled[1], eager[3], FLOAT32_GRADIENT_RTOL)
 
     @pytest.mark.skipif(
         backend.backend() != "torch", reason="`torch.compile` guards"
@@ -1666,10 +1884,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             graphs.append(graph_module)
             return graph_module.forward
 
-        x = _inputs()[:, :9]  # not a whole number of chunks: padded
-        layer = _layer(causal=True)
+        x = random_inputs()[:, :9]  # not a whole number of chunks: padded
+        layer = make_layer(causal=True)
         compiled = torch.compile(layer, backend=counting_backend)
-        expected, _ = _np_reference(layer, x)
+        expected, _ = np_reference(layer, x)
         x = torch.as_tensor(x)
         # Upstream's first call compiles twice (Keras sets a global call
         # context attribute during it); later calls must reuse that.
@@ -1677,7 +1895,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             compiled(x)
         compiled_graphs = len(graphs)
         for _ in range(3):
-            _assert_close(compiled(x), expected, FLOAT32_RTOL)
+            assert_close(compiled(x), expected, FLOAT32_RTOL)
         self.assertLen(graphs, compiled_graphs)
 
     # Hybrid attention (`local_window`).
@@ -1697,15 +1915,15 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # batch whose padding holds NaN and large values, then steps of one
         # token with the carried state, as in generation: the outputs and
         # states are those of each prompt alone.
-        layer = _layer(causal=True, local_window=window, **kwargs)
-        _assign_far_log_scale(layer)
+        layer = make_layer(causal=True, local_window=window, **kwargs)
+        assign_far_log_scale(layer)
         lengths, steps = (3, 11), 6
         longest = max(lengths)
         prompts = [
-            _inputs((1, n, INPUT_DIM), seed=10 + i)
+            random_inputs((1, n, INPUT_DIM), seed=10 + i)
             for i, n in enumerate(lengths)
         ]
-        tokens = _inputs((len(lengths), steps, INPUT_DIM), seed=20)
+        tokens = random_inputs((len(lengths), steps, INPUT_DIM), seed=20)
         padded = np.full((len(lengths), longest, INPUT_DIM), 1e4, "float32")
         padded[:, 0] = np.nan
         mask = np.zeros((len(lengths), longest), bool)
@@ -1720,11 +1938,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             )
             batch_outputs.append(backend.convert_to_numpy(y))
         self.assertTrue(np.all(np.isfinite(np.concatenate(batch_outputs, 1))))
-        batch_state = _masked_hybrid_state(state)
+        batch_state = masked_hybrid_state(state)
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             message = f"prompt {i} ({n} steps)"
             y, alone_state = layer(prompt, return_state=True)
-            _assert_close(
+            assert_close(
                 batch_outputs[0][i : i + 1, longest - n :],
                 y,
                 FLOAT32_PARITY_RTOL,
@@ -1736,16 +1954,16 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                     initial_state=alone_state,
                     return_state=True,
                 )
-                _assert_close(
+                assert_close(
                     batch_outputs[k + 1][i : i + 1],
                     y,
                     FLOAT32_PARITY_RTOL,
                     f"{message}, step {k}",
                 )
             for actual, expected in zip(
-                batch_state, _masked_hybrid_state(alone_state)
+                batch_state, masked_hybrid_state(alone_state)
             ):
-                _assert_close(
+                assert_close(
                     actual[i : i + 1], expected, FLOAT32_PARITY_RTOL, message
                 )
 
@@ -1754,21 +1972,21 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # Inputs 100x larger: window scores in the thousands, and FAVOR+
         # query features far outside float32's range unless the far part's
         # scale is taken into the exponent.
-        x = 100.0 * _inputs()
+        x = 100.0 * random_inputs()
         for dtype in ("float32", "mixed_float16", "mixed_bfloat16"):
             # Exact gradients in float16's range, so that only an overflow
             # inside the layer shows.
             scale = HALF_PRECISION_LOSS_SCALE if dtype == "mixed_float16" else 1
-            upstream = scale * _inputs(seed=1)
+            upstream = scale * random_inputs(seed=1)
             for config in ("elu_plus_one", "favor_plus"):
                 for causal in (False, True):
                     message = f"{dtype}, {config}, causal={causal}"
-                    layer = _layer(
+                    layer = make_layer(
                         config, causal=causal, local_window=8, dtype=dtype
                     )
                     y = backend.convert_to_numpy(layer(x))
                     self.assertTrue(np.all(np.isfinite(y)), message)
-                    for gradient in _gradients(layer, x, upstream):
+                    for gradient in layer_gradients(layer, x, upstream):
                         self.assertTrue(np.all(np.isfinite(gradient)), message)
 
     def test_hybrid_favor_plus_error_below_pure_favor_plus(self):
@@ -1778,17 +1996,17 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # is below that of FAVOR+ alone, for each seed.
         length, window, num_features = 256, 32, 64
         dims = {"num_heads": 2, "key_dim": 8, "value_dim": 8}
-        x = 0.5 * _inputs((2, length, INPUT_DIM))
-        base = _layer(causal=True, **dims)
+        x = 0.5 * random_inputs((2, length, INPUT_DIM))
+        base = make_layer(causal=True, **dims)
         # NumPy weights, so that every backend measures the same numbers.
         rng = np.random.RandomState(0)
         for variable in base.weights:
             scale = 0.1 if "bias" in variable.path else 0.4
             variable.assign(scale * rng.normal(size=variable.shape))
-        weights = _np_weights(base)
+        weights = np_weights(base)
 
         query, key, value = (
-            _np_project(base, weights, x.astype("float64"), name)
+            np_project(base, weights, x.astype("float64"), name)
             for name in ("query", "key", "value")
         )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(8.0)
@@ -1807,7 +2025,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 ("favor_plus", None),
                 ("hybrid", window),
             ):
-                layer = _layer(
+                layer = make_layer(
                     causal=True,
                     feature_map="favor_plus",
                     num_features=num_features,

@@ -1,4 +1,3 @@
-import inspect
 import math
 import numbers
 import warnings
@@ -12,38 +11,25 @@ from keras.src import initializers
 from keras.src import ops
 from keras.src import regularizers
 from keras.src import tree
-from keras.src import utils
 from keras.src.api_export import keras_export
+from keras.src.layers.attention import linear_attention_core as core
+from keras.src.layers.attention import linear_attention_feature_maps
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.input_spec import InputSpec
 from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
 from keras.src.saving import serialization_lib
 
-_FEATURE_MAPS = (
-    "elu_plus_one",
-    "relu",
-    "favor_plus",
-    "hedgehog",
-    "random_fourier",
-    "taylor",
-)
-# Feature maps with their own size (`num_features`) and weights.
-_SIZED_FEATURE_MAPS = ("favor_plus", "hedgehog", "random_fourier")
-# Feature maps made of two halves (`num_features` is even).
-_PAIRED_FEATURE_MAPS = ("hedgehog", "random_fourier")
 _DECAY_SCHEDULES = ("retnet", "learned")
-# Cap on the exponents of FAVOR+ features, so that float32 sums of
-# `exp(60)`-sized features over many steps cannot overflow.
-_FAVOR_MAX_EXPONENT = 60.0
-# Added to |x|^2 where `"random_fourier"` divides x by its norm, so that a
-# zero query or key has finite gradients.
-_UNIT_EPSILON = 1e-12
-# Above this `key_dim`, the `"taylor"` map's `1 + d (d + 3) / 2` features
-# make the state and the products large, so the layer warns.
-_TAYLOR_MAX_KEY_DIM = 32
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
+_STATE_NAMES = (
+    "key_value_state",
+    "key_state",
+    "window_keys",
+    "window_values",
+    "window_valid",
+)
 
 
 @keras_export("keras.layers.LinearAttention")
@@ -53,23 +39,14 @@ class LinearAttention(Layer):
     This is an implementation of linear attention as described in
     [Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236). The
     softmax similarity of dot-product attention is replaced by a product of
-    non-negative feature maps, `phi(q) . phi(k)`, so that the output is
-    computed from sums over the sequence instead of a `(T, T)` attention
-    matrix: time and memory grow linearly with the sequence length. With
-    `causal=True` the layer is also a recurrent network whose constant-size
-    state can be carried across calls, for streaming and generation.
-
-    Queries, keys and values are projected from `inputs` by `EinsumDense`
-    sublayers, as in `MultiHeadAttention`; the feature maps, sums and state
-    run in float32 (float64 for a float64 layer) and the outputs are
-    returned in the layer's compute dtype. For sequences of a few hundred
-    tokens or fewer, `MultiHeadAttention` is usually faster.
-
-    The fixed-size state limits recall of earlier tokens (looking up a
-    value by its key in the context), which language models need. The
-    default feature map recalls poorly; `feature_map="taylor"` with a
-    small `key_dim` recalls far better, at a larger state, and
-    `MultiHeadAttention` remains the choice for exact recall.
+    non-negative feature maps, `phi(q) . phi(k)`, so that time and memory
+    grow linearly with the sequence length. With `causal=True` the layer is
+    also a recurrent network whose constant-size state can be carried
+    across calls, for streaming and generation. For sequences of a few
+    hundred tokens or fewer, `MultiHeadAttention` is usually faster, and it
+    remains the choice for exact recall of earlier tokens; with linear
+    attention, `feature_map="taylor"` at a small `key_dim`, or
+    `local_window`, recall far better than the default map.
 
     Args:
         num_heads: Number of attention heads.
@@ -78,30 +55,23 @@ class LinearAttention(Layer):
             `key_dim`.
         output_shape: Size of the output's last dimension. Defaults to the
             last dimension of `inputs`.
-        feature_map: The feature map `phi` applied to queries and keys:
-            `"elu_plus_one"` (default, `elu(x) + 1`), `"relu"`,
-            `"favor_plus"` (Performer features estimating the softmax
-            kernel), `"hedgehog"` (a learnable softmax map),
-            `"random_fourier"` (RFA: sines and cosines of the unit-norm
-            query or key, estimating a Gaussian kernel of learned
-            bandwidth), `"taylor"` (Based's second-order Taylor expansion
-            of `exp(q . k / sqrt(key_dim))`, `1 + key_dim (key_dim + 3) / 2`
-            features: meant for a small `key_dim`, such as 16), or a
-            registered callable or `Layer`.
+        feature_map: `"elu_plus_one"` (default), `"relu"`, `"favor_plus"`
+            (Performer), `"hedgehog"` (learnable), `"random_fourier"`
+            (RFA), `"taylor"` (Based, `1 + key_dim (key_dim + 3) / 2`
+            features), `"cosformer"` (not streamable), or a registered
+            callable or `Layer`.
         use_normalizer: Boolean, whether to divide the outputs by
             `phi(q) . z + normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
             to the `"relu"` features). Defaults to `1e-6`.
         causal: Boolean, whether each position attends only to itself and
             earlier positions. Defaults to `False`.
-        dropout: Fraction of the concatenated head outputs dropped before
-            the output projection, in training. Defaults to `0.0`.
+        dropout: Fraction of the head outputs dropped in training.
         use_bias: Boolean, whether the dense layers use bias vectors.
-        execution_mode: Algorithm of causal attention: `"parallel"`
-            (chunkwise), `"recurrent"` (one step per token), or `"auto"`
-            (default: recurrent for single-token inputs). It does not
-            change the results beyond rounding. Graphs traced for any
-            sequence length, as `model.export()` writes them, run chunkwise.
+        execution_mode: Causal algorithm: `"parallel"` (chunkwise),
+            `"recurrent"` (one step per token) or `"auto"` (recurrent for
+            single tokens); the same results up to rounding. Graphs traced
+            for any length, as `model.export()` writes them, run chunkwise.
         kernel_initializer: Initializer for dense layer kernels.
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
@@ -109,53 +79,41 @@ class LinearAttention(Layer):
         activity_regularizer: Regularizer for dense layer activity.
         kernel_constraint: Constraint for dense layer kernels.
         bias_constraint: Constraint for dense layer biases.
-        seed: Optional non-negative integer to seed the dropout layer and to
-            draw the `"favor_plus"` random features.
+        seed: Optional non-negative integer seeding dropout and the random
+            features of `"favor_plus"` and `"random_fourier"`.
         num_key_value_heads: Number of key and value heads, as in
-            `GroupedQueryAttention`; `num_heads` must be a multiple of it.
-            Defaults to `num_heads`.
-        num_features: Number of features of `"favor_plus"` (defaults to
-            `4 * key_dim`), `"hedgehog"` and `"random_fourier"` (even;
-            defaults to `2 * key_dim`). `"taylor"` derives its number;
-            the other maps have `key_dim` features.
+            `GroupedQueryAttention`. Defaults to `num_heads`.
+        num_features: Features of `"favor_plus"` (default `4 * key_dim`),
+            `"hedgehog"` and `"random_fourier"` (even, default
+            `2 * key_dim`).
         local_window: Optional positive integer `W`: exact softmax over the
-            positions closer than `W` (causal: the last `W`, itself
-            included), the feature map beyond, weighted by a trainable
-            `far_log_scale` per head, under one normalizer.
-        decay: Causal layers only: the state's forgetting factor `gamma`
-            per step, a float in (0, 1], a list of one per key/value head,
-            `"retnet"` (`1 - 2^(-5 - h)` for head `h`) or `"learned"`
-            (trainable, starting at `"retnet"`). Defaults to `None`.
+            positions closer than `W` (causal: the last `W`), the feature
+            map beyond, weighted by a trainable `far_log_scale` per head.
+        decay: Causal layers only: the state's forgetting factor per step,
+            a float in (0, 1], a list of one per key/value head, `"retnet"`
+            (`1 - 2^(-5 - h)` for head `h`) or `"learned"`.
         projection_dtypes: Optional dict from projection names to dtype
             policies, written by `get_config()` for quantized projections.
 
     Call arguments:
         inputs: Tensor of shape `(batch_size, sequence_length, input_dim)`.
-            Queries, keys and values all come from it.
         mask: Optional boolean tensor of shape
             `(batch_size, sequence_length)`, `True` for valid steps. Masked
-            steps are not attended to and their outputs are zero. Defaults
-            to the mask of `inputs`, if any.
-        initial_state: Causal layers only. Optional state from
+            steps are not attended to and their outputs are zero.
+        initial_state: Causal layers only: the state from
             `get_initial_state()` or from a call with `return_state=True`.
-        return_state: Causal layers only. Whether to also return the state
-            after the last step. Defaults to `False`.
-        training: Python boolean indicating whether the layer should behave
-            in training mode (applying dropout) or in inference mode.
+        return_state: Causal layers only: whether to also return the state.
+        training: Python boolean, whether to apply dropout.
 
     Returns:
         outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`.
-        state: Only if `return_state=True`: a tuple `(key_value_state,
-            key_state)` of shapes `(batch_size, num_key_value_heads,
-            features, value_dim)` and `(batch_size, num_key_value_heads,
-            features)`, or `(key_value_state,)` without the normalizer;
-            `features` is the feature map's size (`num_features`, the
-            `"taylor"` size or `key_dim`). With `local_window`,
-            followed by `window_keys`, `window_values` and `window_valid`,
-            the projected keys and values of the last `W` positions and
-            whether each is unmasked, of shapes `(batch_size,
-            num_key_value_heads, W, key_dim)`, `(batch_size,
-            num_key_value_heads, W, value_dim)` and `(batch_size, W)`.
+        state: Only if `return_state=True`: `(key_value_state, key_state)`
+            of shapes `(batch_size, num_key_value_heads, features,
+            value_dim)` and `(batch_size, num_key_value_heads, features)`
+            (`(key_value_state,)` without the normalizer); with
+            `local_window`, followed by the last `W` projected keys, values
+            and valid flags (`window_keys`, `window_values`,
+            `window_valid`).
 
     Examples:
 
@@ -191,14 +149,6 @@ class LinearAttention(Layer):
     ... )
     >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
     [(3, 2, 64, 4), (3, 2, 64)]
-
-    Hybrid attention, exact softmax over the last 4 positions:
-
-    >>> layer = keras.layers.LinearAttention(
-    ...     num_heads=2, key_dim=4, causal=True, local_window=4
-    ... )
-    >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
-    [(3, 2, 4, 4), (3, 2, 4), (3, 2, 4, 4), (3, 2, 4, 4), (3, 4)]
     """
 
     # Chunk length of the causal "parallel" algorithm.
@@ -234,205 +184,99 @@ class LinearAttention(Layer):
     ):
         super().__init__(**kwargs)
         self.supports_masking = True
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_key_value_heads = (
-            self.num_heads
-            if num_key_value_heads is None
-            else _positive_int("num_key_value_heads", num_key_value_heads)
+        _check_scalars(
+            num_heads=num_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            num_key_value_heads=num_key_value_heads,
+            local_window=local_window,
+            use_normalizer=use_normalizer,
+            causal=causal,
+            use_bias=use_bias,
+            normalization_epsilon=normalization_epsilon,
+            dropout=dropout,
+            execution_mode=execution_mode,
         )
+        self.num_heads, self.key_dim = int(num_heads), int(key_dim)
+        self.value_dim = int(value_dim or key_dim)
+        self.num_key_value_heads = int(num_key_value_heads or num_heads)
+        # Private, as in `MultiHeadAttention`: a public `output_shape` is
+        # what `Model.summary()` takes for the shape of the layer's output.
+        self._output_shape = _check_output_shape(output_shape)
+        self.use_normalizer = bool(use_normalizer)
+        self.normalization_epsilon = float(normalization_epsilon)
+        self.causal, self.use_bias = bool(causal), bool(use_bias)
+        self.dropout = float(dropout)
+        self.execution_mode = execution_mode
+        self.kernel_initializer = initializers.get(
+            kernel_initializer or "glorot_uniform"
+        )
+        self.bias_initializer = initializers.get(bias_initializer or "zeros")
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        # Given to the projections, so that the returned state is not
+        # regularized.
+        self._activity_regularizer = regularizers.get(activity_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.seed = _check_seed(seed, _MAX_DROPOUT_SEED if dropout else None)
+        self.feature_map = feature_map
+        self._feature_map = linear_attention_feature_maps.get(
+            feature_map,
+            self.key_dim,
+            same_size=self.causal,
+            num_features=num_features,
+            seed=self.seed,
+            epsilon=self.normalization_epsilon,
+            kernel_regularizer=self.kernel_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            dtype=self.accumulator_dtype,
+        )
+        self.num_features = self._feature_map.num_features
+        self.local_window = None if local_window is None else int(local_window)
+        self.decay = _check_decay(decay, self.num_key_value_heads)
+        self._check_options(num_key_value_heads, decay)
+        self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
+        # Each projection's policy before quantization, for `get_config`.
+        self._projection_base_dtypes = {}
+
+    def _check_options(self, num_key_value_heads, decay):
+        """Refuses options that do not go together; warns of float16
+        outputs that can overflow."""
         if self.num_heads % self.num_key_value_heads:
             raise ValueError(
                 "`num_heads` must be a multiple of `num_key_value_heads` "
                 "(each group of query heads shares one key/value head). "
-                f"Received: num_heads={num_heads}, "
+                f"Received: num_heads={self.num_heads}, "
                 f"num_key_value_heads={num_key_value_heads}"
             )
-        self.key_dim = _positive_int("key_dim", key_dim)
-        self.value_dim = (
-            self.key_dim
-            if value_dim is None
-            else _positive_int("value_dim", value_dim)
-        )
-        if output_shape is not None:
-            size = output_shape
-            if isinstance(size, (list, tuple)) and len(size) == 1:
-                size = size[0]
-            if not _is_integer(size) or size <= 0:
-                raise ValueError(
-                    "`output_shape` must be `None`, a positive integer, or a "
-                    "tuple or list of one positive integer. Received: "
-                    f"output_shape={output_shape!r}"
-                )
-            output_shape = int(size)
-        # Private, as in `MultiHeadAttention`: a public `output_shape` is
-        # what `Model.summary()` takes for the shape of the layer's output.
-        self._output_shape = output_shape
-        if isinstance(feature_map, str):
-            if feature_map not in _FEATURE_MAPS:
-                raise ValueError(
-                    "`feature_map` must be one of "
-                    f"{', '.join(repr(name) for name in _FEATURE_MAPS)}, or "
-                    "a callable registered with "
-                    "`keras.saving.register_keras_serializable()`. "
-                    f"Received: feature_map={feature_map!r}"
-                )
-        elif not callable(feature_map):
-            raise ValueError(
-                "`feature_map` must be a string or a callable. Received: "
-                f"feature_map={feature_map!r} of type "
-                f"{type(feature_map).__name__}"
-            )
-        elif inspect.isclass(feature_map):
-            # Callable, but calling it makes an instance, not features.
-            raise ValueError(
-                "`feature_map` must be a feature map, not a class: pass an "
-                f"instance (such as `{feature_map.__name__}()`). Received: "
-                f"feature_map={feature_map!r}"
-            )
-        self.feature_map = feature_map
-        if feature_map in _SIZED_FEATURE_MAPS:
-            if num_features is None:
-                num_features = (
-                    4 * self.key_dim
-                    if feature_map == "favor_plus"
-                    else 2 * self.key_dim
-                )
-            num_features = _positive_int("num_features", num_features)
-            if feature_map in _PAIRED_FEATURE_MAPS and num_features % 2:
-                raise ValueError(
-                    f"`num_features` must be even for feature_map="
-                    f"{feature_map!r} (the map returns two halves: "
-                    "`[W x, -W x]` for 'hedgehog', sines and cosines for "
-                    "'random_fourier'). Received: "
-                    f"num_features={num_features}"
-                )
-        elif num_features is not None:
-            raise ValueError(
-                "`num_features` only applies to feature_map='favor_plus', "
-                "'hedgehog' or 'random_fourier'; 'taylor' has "
-                "`1 + key_dim * (key_dim + 3) / 2` features and the other "
-                "feature maps keep `key_dim` features. Received: "
-                f"num_features={num_features!r} with "
-                f"feature_map={feature_map!r}"
-            )
-        self.num_features = num_features
-        if feature_map == "taylor" and self.key_dim > _TAYLOR_MAX_KEY_DIM:
-            warnings.warn(
-                "`LinearAttention` with feature_map='taylor' and "
-                f"key_dim={self.key_dim}: the map has `1 + key_dim * "
-                f"(key_dim + 3) / 2` = {self._feature_dim} features per "
-                "head, so the state and the products grow with the square "
-                "of `key_dim`. It is meant for a small `key_dim` (up to "
-                f"{_TAYLOR_MAX_KEY_DIM}); use more heads of a smaller "
-                "`key_dim`, or another feature map.",
-                stacklevel=2,
-            )
-        self.use_normalizer = _boolean("use_normalizer", use_normalizer)
-        self.local_window = (
-            None
-            if local_window is None
-            else _positive_int("local_window", local_window)
-        )
         if self.local_window is not None and not self.use_normalizer:
             raise ValueError(
                 "`local_window` needs `use_normalizer=True`: the window's "
                 "softmax and the linear part share one normalizer. "
-                f"Received: local_window={local_window}, "
-                f"use_normalizer={use_normalizer}"
+                f"Received: local_window={self.local_window}, "
+                f"use_normalizer={self.use_normalizer}"
             )
-        if not self.use_normalizer and self.compute_dtype == "float16":
-            warnings.warn(
-                "`LinearAttention` with `use_normalizer=False` and a float16 "
-                "compute dtype: without the normalizer, the attention "
-                "outputs grow with the number of steps attended to, and "
-                "they are cast to float16 (largest value 65504) before the "
-                "output projection, so that long or large inputs give inf "
-                "outputs. Use `use_normalizer=True` or a bfloat16 policy "
-                "such as `mixed_bfloat16`.",
-                stacklevel=2,
-            )
-        if (
-            self.feature_map == "random_fourier"
-            and self.use_normalizer
-            and self.compute_dtype == "float16"
-        ):
-            warnings.warn(
-                "`LinearAttention` with feature_map='random_fourier' and a "
-                "float16 compute dtype: where the estimate of the normalizer "
-                "is zero or negative, the normalizer is clamped at "
-                "`normalization_epsilon` and the attention outputs can "
-                "exceed float16's range (inf), which is more likely with "
-                "few features or a small bandwidth. Use a bfloat16 policy "
-                "such as `mixed_bfloat16`, or float32.",
-                stacklevel=2,
-            )
-        if not (
-            _is_real(normalization_epsilon)
-            and 0 < normalization_epsilon < math.inf
-        ):
-            raise ValueError(
-                "`normalization_epsilon` must be a positive, finite float. "
-                f"Received: normalization_epsilon={normalization_epsilon!r}"
-            )
-        self.normalization_epsilon = float(normalization_epsilon)
-        self.causal = _boolean("causal", causal)
-        self.decay = _check_decay(decay, self.num_key_value_heads)
         if self.decay is not None and not self.causal:
             raise ValueError(
                 "`decay` needs `causal=True`: it weighs each step by how "
                 "long ago it was, which non-causal attention has no order "
-                f"for. Received: decay={decay!r}, causal={causal}"
+                f"for. Received: decay={decay!r}, causal={self.causal}"
             )
-        if not (_is_real(dropout) and 0 <= dropout < 1):
-            raise ValueError(
-                "`dropout` must be a float in [0, 1). Received: "
-                f"dropout={dropout!r}"
+        if self.compute_dtype != "float16":
+            return
+        if not self.use_normalizer or not self._feature_map.non_negative:
+            # Unnormalized outputs grow with the steps attended to; a
+            # clamped estimate of the normalizer can be near zero.
+            warnings.warn(
+                "`LinearAttention` with a float16 compute dtype and "
+                f"use_normalizer={self.use_normalizer}, feature_map="
+                f"{self.feature_map!r}: the attention outputs are not "
+                "bounded and can exceed float16's range (inf) before the "
+                "output projection. Use a bfloat16 policy such as "
+                "`mixed_bfloat16`, or float32.",
+                stacklevel=3,
             )
-        self.dropout = float(dropout)
-        self.use_bias = _boolean("use_bias", use_bias)
-        if execution_mode not in _EXECUTION_MODES:
-            raise ValueError(
-                "`execution_mode` must be one of "
-                f"{', '.join(repr(mode) for mode in _EXECUTION_MODES)}. "
-                f"Received: execution_mode={execution_mode!r}"
-            )
-        self.execution_mode = execution_mode
-        # `initializers.get(None)` returns `None`, which `EinsumDense` cannot
-        # take.
-        self.kernel_initializer = initializers.get(
-            "glorot_uniform"
-            if kernel_initializer is None
-            else kernel_initializer
-        )
-        self.bias_initializer = initializers.get(
-            "zeros" if bias_initializer is None else bias_initializer
-        )
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        # Given to the projections, so that the returned state is not
-        # regularized.
-        self._activity_regularizer = regularizers.get(activity_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
-        self.seed = _check_seed(
-            seed, largest=_MAX_DROPOUT_SEED if dropout else None
-        )
-        projection_dtypes = projection_dtypes or {}
-        if not isinstance(projection_dtypes, dict) or not set(
-            projection_dtypes
-        ) <= set(_PROJECTIONS):
-            raise ValueError(
-                "`projection_dtypes` must be a dict from projection names "
-                f"({', '.join(repr(name) for name in _PROJECTIONS)}) to "
-                "dtype policies. Received: "
-                f"projection_dtypes={projection_dtypes!r}"
-            )
-        self._projection_dtypes = {
-            name: dtype_policies.get(policy)
-            for name, policy in projection_dtypes.items()
-        }
-        # Each projection's policy before quantization, for `get_config`.
-        self._projection_base_dtypes = {}
 
     @property
     def accumulator_dtype(self):
@@ -440,6 +284,11 @@ class LinearAttention(Layer):
         if backend.standardize_dtype(self.compute_dtype) == "float64":
             return "float64"
         return "float32"
+
+    @property
+    def feature_map_layer(self):
+        """The feature map object (`feature_map` resolved)."""
+        return self._feature_map
 
     @property
     def query_dense(self):
@@ -464,8 +313,7 @@ class LinearAttention(Layer):
         output_dim = self._output_shape or input_dim
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
-        heads = self.num_heads
-        key_value_heads = self.num_key_value_heads
+        heads, key_value_heads = self.num_heads, self.num_key_value_heads
         self._query_dense = self._projection(
             "query", "btm,mhd->bthd", (None, heads, self.key_dim), "hd"
         )
@@ -484,53 +332,7 @@ class LinearAttention(Layer):
         for dense in (self._query_dense, self._key_dense, self._value_dense):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
-        if isinstance(self.feature_map, Layer) and not self.feature_map.built:
-            # Built with the layer so that its weights exist and load with
-            # it; with unknown batch and length, which a symbolic call on
-            # PyTorch would replace by placeholder sizes.
-            shape = (None, None, heads, self.key_dim)
-            if not utils.is_default(self.feature_map.build):
-                self.feature_map.build(shape)
-            backend.compute_output_spec(
-                self.feature_map,
-                backend.KerasTensor(shape, self.accumulator_dtype),
-            )
-        if self.feature_map in ("favor_plus", "random_fourier"):
-            # Drawn with NumPy, so that a seed gives the same features on
-            # every backend.
-            self.random_features = self.add_weight(
-                name="random_features",
-                shape=(
-                    self.key_dim,
-                    self.num_features
-                    if self.feature_map == "favor_plus"
-                    else self.num_features // 2,
-                ),
-                initializer=self._draw_random_features,
-                trainable=False,
-                # The features are computed in the accumulator dtype.
-                autocast=False,
-            )
-        if self.feature_map == "random_fourier":
-            self.log_bandwidth = self.add_weight(
-                name="log_bandwidth",
-                shape=(key_value_heads,),
-                initializer="zeros",
-                autocast=False,
-            )
-        elif self.feature_map == "hedgehog":
-            self.feature_map_kernel = self.add_weight(
-                name="feature_map_kernel",
-                shape=(key_value_heads, self.key_dim, self.num_features // 2),
-                initializer=_identity_per_head,
-                regularizer=self.kernel_regularizer,
-                constraint=(
-                    None
-                    if self.kernel_constraint is None
-                    else _PerHeadConstraint(self.kernel_constraint)
-                ),
-                autocast=False,
-            )
+        self._feature_map.build((None, None, key_value_heads, self.key_dim))
         if self.local_window is not None:
             self.far_log_scale = self.add_weight(
                 name="far_log_scale",
@@ -552,44 +354,27 @@ class LinearAttention(Layer):
                 rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
             )
 
-    def _draw_random_features(self, shape, dtype=None):
-        features = _orthogonal_random_features(*shape, seed=self.seed)
-        return ops.convert_to_tensor(features, dtype=dtype)
-
     def redraw_random_features(self, seed=None):
         """Draws new random features (`"favor_plus"`, `"random_fourier"`).
 
-        The random features are drawn once, when the layer is built, and
-        then kept (they are saved with the model). Redrawing them during
-        training, e.g. from a callback every few hundred steps, is optional
-        and off by default; it can lower the variance of the approximation
-        that a model adapts to. In a callback, reach the layer through
-        `self.model` (on JAX, that syncs the training state, which would
-        otherwise overwrite the new features).
+        They are drawn when the layer is built and saved with it; redrawing
+        them during training (e.g. from a callback, reaching the layer
+        through `self.model`) is optional.
 
         Args:
             seed: Optional non-negative integer. Defaults to a seed drawn
                 from NumPy's global generator.
         """
-        if (
-            self.feature_map not in ("favor_plus", "random_fourier")
-            or not self.built
-        ):
+        if not self.built or not hasattr(self._feature_map, "redraw"):
             raise ValueError(
                 "`redraw_random_features()` needs a built layer with "
                 "feature_map='favor_plus' or 'random_fourier'. Received: "
                 f"feature_map={self.feature_map!r}, built={self.built}"
             )
-        features = _orthogonal_random_features(
-            *self.random_features.shape, seed=_check_seed(seed)
-        )
-        self.random_features.assign(
-            ops.cast(features, self.random_features.dtype)
-        )
+        self._feature_map.redraw(_check_seed(seed))
 
     def _projection(self, name, equation, output_shape, bias_axes):
-        kwargs = self._get_common_kwargs_for_sublayer()
-        policy = kwargs["dtype"]
+        policy = self.dtype_policy
         if isinstance(policy, dtype_policies.DTypePolicyMap):
             # Workaround: an `EinsumDense` holding a `DTypePolicyMap` cannot
             # be quantized or saved quantized, so it gets its own entry.
@@ -597,59 +382,37 @@ class LinearAttention(Layer):
                 dtype_policies.serialize(policy[f"{self.path}/{name}"])
             )
         self._projection_base_dtypes[name] = policy.name
-        kwargs["dtype"] = self._projection_dtypes.get(name, policy)
         return EinsumDense(
             equation,
             output_shape=output_shape,
             bias_axes=bias_axes if self.use_bias else None,
             name=name,
-            **kwargs,
-        )
-
-    def _changed_projection_dtypes(self):
-        """The policies of the projections that differ from the layer's.
-
-        Such as a projection quantized after it was built
-        (`Model.quantize()`): the configuration must carry its policy to
-        rebuild it with its variables. By projection name, so that it does
-        not depend on the layer's path (unlike a `DTypePolicyMap`).
-        """
-        if not self.built:
-            return {}
-        return {
-            dense.name: dtype_policies.serialize(dense.dtype_policy)
-            for dense in (
-                self._query_dense,
-                self._key_dense,
-                self._value_dense,
-                self._output_dense,
-            )
-            if dense.dtype_policy.name
-            != self._projection_base_dtypes[dense.name]
-        }
-
-    def _get_common_kwargs_for_sublayer(self):
-        common_kwargs = dict(
+            # Cloned, so that the kernels are not drawn from the same
+            # stateless initializer (the same values).
+            kernel_initializer=_clone(self.kernel_initializer),
+            bias_initializer=_clone(self.bias_initializer),
             kernel_regularizer=self.kernel_regularizer,
             bias_regularizer=self.bias_regularizer,
             activity_regularizer=self._activity_regularizer,
             kernel_constraint=self.kernel_constraint,
             bias_constraint=self.bias_constraint,
-            dtype=self.dtype_policy,
+            dtype=self._projection_dtypes.get(name, policy),
         )
-        # Clone the initializers so that the four kernels are not drawn from
-        # the same stateless initializer instance (same values).
-        common_kwargs["kernel_initializer"] = (
-            self.kernel_initializer.__class__.from_config(
-                self.kernel_initializer.get_config()
-            )
-        )
-        common_kwargs["bias_initializer"] = (
-            self.bias_initializer.__class__.from_config(
-                self.bias_initializer.get_config()
-            )
-        )
-        return common_kwargs
+
+    def _changed_projection_dtypes(self):
+        """The policies of the projections that differ from the layer's,
+        such as those quantized by `Model.quantize()`: the config carries
+        them to rebuild their variables, by name (not by the layer's path,
+        unlike a `DTypePolicyMap`)."""
+        if not self.built:
+            return {}
+        projections = (self.query_dense, self.key_dense, self.value_dense)
+        return {
+            dense.name: dtype_policies.serialize(dense.dtype_policy)
+            for dense in projections + (self.output_dense,)
+            if dense.dtype_policy.name
+            != self._projection_base_dtypes[dense.name]
+        }
 
     def get_initial_state(self, batch_size):
         """Returns the zero state of a causal layer.
@@ -660,20 +423,10 @@ class LinearAttention(Layer):
             batch_size: Python integer or scalar integer tensor.
 
         Returns:
-            A tuple `(key_value_state, key_state)` of zeros with shapes
-            `(batch_size, num_key_value_heads, features, value_dim)` and
-            `(batch_size, num_key_value_heads, features)` (`features` is
-            `num_features` for the maps that take it, `1 + key_dim *
-            (key_dim + 3) / 2` for `"taylor"`, `key_dim` otherwise;
-            `(key_value_state,)` if `use_normalizer=False`), in the
-            accumulator dtype.
+            A tuple of zeros in the accumulator dtype, of the shapes of the
+            state returned by a call with `return_state=True`.
         """
-        if not self.causal:
-            raise ValueError(
-                "`get_initial_state()` is only available for causal layers "
-                "(`causal=True`): non-causal attention has no recurrent "
-                f"state. Received: causal={self.causal}"
-            )
+        self._check_streaming("a call of get_initial_state()")
         return self._zero_state(_check_batch_size(batch_size))
 
     def _zero_state(self, batch_size):
@@ -682,16 +435,8 @@ class LinearAttention(Layer):
             for shape in self._state_shapes()
         )
 
-    @property
-    def _feature_dim(self):
-        if self.feature_map in _SIZED_FEATURE_MAPS:
-            return self.num_features
-        if self.feature_map == "taylor":
-            return 1 + self.key_dim * (self.key_dim + 3) // 2
-        return self.key_dim
-
     def _state_shapes(self):
-        heads, features = self.num_key_value_heads, self._feature_dim
+        heads, features = self.num_key_value_heads, self._feature_map.size
         shapes = [(heads, features, self.value_dim)]
         if self.use_normalizer:
             shapes.append((heads, features))
@@ -703,132 +448,6 @@ class LinearAttention(Layer):
                 (window,),
             ]
         return tuple(shapes)
-
-    def _feature(self, x, is_query):
-        """`phi` of `(batch, time, heads, key_dim)` queries or keys.
-
-        Returns the features and the log of a factor per token divided out
-        of them, `(batch, time, heads)`, or `None`.
-        """
-        if self.feature_map == "favor_plus":
-            # exp(w . x - |x|^2 / 2) / sqrt(m) of x / key_dim**0.25, so that
-            # phi(q) . phi(k) estimates exp(q . k / sqrt(key_dim)).
-            x = x * self.key_dim**-0.25
-            features = ops.cast(self.random_features, x.dtype)
-            exponent = ops.einsum("bthd,dm->bthm", x, features)
-            exponent = exponent - 0.5 * ops.sum(
-                ops.square(x), axis=-1, keepdims=True
-            )
-            log_scale = None
-            if is_query and self.use_normalizer and 0 not in x.shape:
-                # A factor per query token cancels in the normalized ratio
-                # and keeps exp() finite; per token, so that chunked runs
-                # agree. `max` of an empty tensor fails on some backends.
-                log_scale = ops.max(exponent, axis=-1, keepdims=True)
-                exponent = exponent - log_scale
-                log_scale = log_scale[..., 0]
-            # min(exponent, cap) per element, never by a statistic over the
-            # sequence, which would break chunked runs.
-            exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
-            return ops.exp(exponent) * self.num_features**-0.5, log_scale
-        if self.feature_map == "random_fourier":
-            # sin and cos of w . x / sigma for the unit vector x, so that
-            # phi(q) . phi(k) estimates exp(-|q - k|^2 / (2 sigma^2)).
-            x = x / ops.sqrt(
-                ops.sum(ops.square(x), axis=-1, keepdims=True) + _UNIT_EPSILON
-            )
-            bandwidth = ops.exp(ops.cast(self.log_bandwidth, x.dtype))
-            if is_query:
-                bandwidth = ops.repeat(bandwidth, self._group_size, axis=0)
-            features = ops.cast(self.random_features, x.dtype)
-            x = ops.einsum("bthd,dm->bthm", x, features) / ops.expand_dims(
-                bandwidth, 1
-            )
-            sin, cos = ops.sin, ops.cos
-            if backend.backend() == "jax":
-                # Workaround: JAX's `ops.sin` and `ops.cos` return float32
-                # for float64 inputs.
-                # TODO: use `ops.sin` and `ops.cos` once upstream keeps
-                # float64 there.
-                import jax.numpy as jnp
-
-                sin, cos = jnp.sin, jnp.cos
-            features = ops.concatenate([sin(x), cos(x)], axis=-1)
-            return features * (self.num_features // 2) ** -0.5, None
-        if self.feature_map == "hedgehog":
-            kernel = ops.cast(self.feature_map_kernel, x.dtype)
-            if is_query:
-                kernel = ops.repeat(kernel, self._group_size, axis=0)
-            x = ops.einsum("bthd,hdf->bthf", x, kernel)
-            features = ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
-        elif self.feature_map == "taylor":
-            # [1, x / d^(1/4), vec(x x^T) / (2 d)^(1/2)] with the pairs
-            # i <= j of x x^T only (those with i < j scaled by 2^(1/2)), so
-            # that phi(q) . phi(k) = 1 + s + s^2 / 2, s = q . k / d^(1/2).
-            rows, columns = np.triu_indices(self.key_dim)
-            scale = np.where(rows == columns, 0.5**0.5, 1.0) / self.key_dim**0.5
-            # Row by row, in the order of `np.triu_indices`: slices, not a
-            # gather (OpenVINO cannot convert PyTorch's `take`).
-            pairs = ops.concatenate(
-                [x[..., i : i + 1] * x[..., i:] for i in range(self.key_dim)],
-                axis=-1,
-            )
-            features = ops.concatenate(
-                [
-                    ops.ones_like(x[..., :1]),
-                    x * self.key_dim**-0.25,
-                    pairs * ops.convert_to_tensor(scale, dtype=x.dtype),
-                ],
-                axis=-1,
-            )
-        elif self.feature_map == "elu_plus_one":
-            # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
-            # far below zero, where `expm1(x) + 1` rounds to 0.
-            positive = ops.relu(x)
-            features = ops.exp(x - positive) + positive
-        elif self.feature_map == "relu":
-            features = ops.relu(x) + self.normalization_epsilon
-        else:
-            features = self.feature_map(x)
-            self._check_features(features, x)
-            # A `Layer` map computes in its own dtype policy.
-            features = ops.cast(features, x.dtype)
-        return features, None
-
-    def _check_features(self, features, x):
-        """Refuses features that the products or the state cannot take.
-
-        The shape of `x`; non-causal layers also take another number of
-        features (the same for queries and keys), causal ones need
-        `key_dim` (the state's size). Compared where both sizes are known
-        (not `None` or symbolic while tracing).
-        """
-        shape = getattr(features, "shape", None)
-        try:
-            rank = None if shape is None else len(shape)
-        except ValueError:
-            return  # A TensorFlow shape of unknown rank.
-        compared = x.shape if self.causal else x.shape[:-1]
-        if rank == len(x.shape) and not any(
-            isinstance(a, int) and isinstance(b, int) and a != b
-            for a, b in zip(shape, compared)
-        ):
-            return
-        received = (
-            f"type {type(features).__name__}"
-            if shape is None
-            else f"shape {tuple(shape)}"
-        )
-        expected = f"its input's shape, {tuple(x.shape)}"
-        if not self.causal:
-            expected = (
-                f"its input's batch size, length and heads, "
-                f"{tuple(x.shape[:-1])}, and any number of features"
-            )
-        raise ValueError(
-            f"`feature_map` must return a tensor with {expected}. "
-            f"Received: {received} from feature_map={self.feature_map!r}"
-        )
 
     def __call__(self, *args, **kwargs):
         names = self.call_signature_parameters
@@ -888,91 +507,117 @@ class LinearAttention(Layer):
         self._check_call_arguments(inputs, initial_state, return_state)
         # `Layer.__call__` passes the inputs' mask only to calls with one
         # tensor argument, not to calls with `initial_state`.
-        input_mask = backend.get_keras_mask(inputs)
         if mask is None:
-            mask = input_mask
+            mask = backend.get_keras_mask(inputs)
         mask = _standardize_mask(mask, inputs)
         if mask is not None:
             # Padding may hold inf or nan, which the projections' gradients
             # would carry into the weights.
-            inputs = ops.where(
-                ops.expand_dims(mask, -1), inputs, ops.zeros_like(inputs)
-            )
+            inputs = _masked(inputs, mask)
         dtype = self.accumulator_dtype
         # (batch, time, heads, key_dim or value_dim) in the accumulator
         # dtype; keys and values have `num_key_value_heads` heads.
         query = ops.cast(self._query_dense(inputs), dtype)
         key = ops.cast(self._key_dense(inputs), dtype)
-        value = ops.cast(self._value_dense(inputs), dtype)
-        valid = None
-        if mask is not None:
-            # The values too, so that no product can bring masked steps
-            # back.
-            valid = ops.cast(mask, dtype)
-            value = ops.where(
-                ops.expand_dims(mask, (2, 3)), value, ops.zeros_like(value)
-            )
-
+        # The values too, so that no product can bring masked steps back.
+        value = _masked(ops.cast(self._value_dense(inputs), dtype), mask)
+        valid = None if mask is None else ops.cast(mask, dtype)
         state = None
         if self.causal:
-            if initial_state is None:
-                initial_state = self._zero_state(ops.shape(inputs)[0])
-            else:
-                initial_state = tuple(ops.cast(s, dtype) for s in initial_state)
-            state = initial_state
+            state = initial_state or self._zero_state(ops.shape(inputs)[0])
+            state = tuple(ops.cast(s, dtype) for s in state)
         if 0 in inputs.shape[:2]:
             # An empty piece of a stream passes the state through; an empty
             # batch has no chunks to count.
-            outputs = ops.zeros(
-                tuple(ops.shape(inputs)[:2]) + (self.num_heads, self.value_dim),
-                dtype,
-            )
+            shape = tuple(ops.shape(inputs)[:2])
+            outputs = ops.zeros(shape + (self.num_heads, self.value_dim), dtype)
         elif self.local_window is not None:
-            outputs, state = self._hybrid(query, key, value, valid, state)
+            outputs, state = self._local_window(query, key, value, valid, state)
         else:
-            query = self._feature(query, is_query=True)[0]
-            key = self._feature(key, is_query=False)[0]
-            if mask is not None:
-                # After the feature map, which is not zero at zero.
-                key = ops.where(
-                    ops.expand_dims(mask, (2, 3)), key, ops.zeros_like(key)
-                )
-            if not self.causal:
-                outputs = self._non_causal(query, key, value)
-            elif self._use_recurrent(query):
-                sequences = (query, key, value)
-                if self.decay is not None:
-                    sequences += (
-                        self._step_decay(valid, ops.shape(key)[:3], dtype),
-                    )
-                outputs, state = self._recurrent(
-                    self._plain_step, state, sequences
-                )
-            else:
-                outputs, state = self._parallel(
-                    query, key, value, state, valid, readout=True
-                )
-        if mask is not None:
-            # Nothing computed at padding reaches the output projection,
-            # e.g. the input statistics that GPTQ quantization collects.
-            outputs = ops.where(
-                ops.expand_dims(mask, (2, 3)), outputs, ops.zeros_like(outputs)
-            )
-        outputs = ops.cast(outputs, self.compute_dtype)
+            outputs, state = self._linear(query, key, value, valid, state)
+        # Nothing computed at padding reaches the output projection, e.g.
+        # the input statistics that GPTQ quantization collects.
+        outputs = ops.cast(_masked(outputs, mask), self.compute_dtype)
         if self._dropout_layer is not None:
             outputs = self._dropout_layer(outputs, training=training)
-        outputs = self._output_dense(outputs)
-        if mask is not None:
-            # Its bias too.
-            outputs = ops.where(
-                ops.expand_dims(mask, -1), outputs, ops.zeros_like(outputs)
-            )
+        # Masked again for the output projection's bias.
+        outputs = _masked(self._output_dense(outputs), mask)
         if backend.standardize_dtype(outputs.dtype) != self.compute_dtype:
             # The output projection may have a policy of its own.
             outputs = ops.cast(outputs, self.compute_dtype)
         if return_state:
             return outputs, state
         return outputs
+
+    def _readout(self, numerator, denominator):
+        return core.normalize(
+            numerator,
+            denominator,
+            self.normalization_epsilon,
+            clamp=not self._feature_map.non_negative,
+        )
+
+    def _linear(self, query, key, value, valid, state):
+        """The plain layer: feature maps, then linear attention."""
+        query = self._feature_map.features(
+            query, stabilize=self.use_normalizer
+        )[0]
+        # Masked after the feature map, which is not zero at zero.
+        key = _masked(self._feature_map.features(key)[0], valid)
+        if not self.causal:
+            outputs = core.non_causal(
+                query, key, value, self._readout, self.use_normalizer
+            )
+            return outputs, None
+        return core.causal(
+            query,
+            key,
+            value,
+            state,
+            self._log_gates(valid, ops.shape(key)[:2]),
+            self._readout,
+            self._use_recurrent(query),
+            self._chunk_size,
+        )
+
+    def _local_window(self, query, key, value, valid, state):
+        """Softmax over the last `local_window` steps, linear beyond."""
+        batch, length = ops.shape(query)[:2]
+        if valid is None:
+            valid = ops.ones((batch, length), query.dtype)
+        query_features, log_scale = self._feature_map.features(
+            query, stabilize=True
+        )
+        # The far part's log-weight per query: its own, and the factor
+        # taken out of the query features, which the window does not share.
+        far_bias = ops.cast(self.far_log_scale, query.dtype) + (
+            ops.zeros_like(query[..., 0]) if log_scale is None else log_scale
+        )
+        # The carried window (none before a non-causal call) precedes the
+        # inputs.
+        state = state or self._zero_state(batch)
+        keys = ops.concatenate([state[2], _heads_first(key)], axis=2)
+        values = ops.concatenate([state[3], _heads_first(value)], axis=2)
+        valids = ops.concatenate([state[4], valid], axis=1)
+        outputs, state = core.local_window(
+            query * self.key_dim**-0.5,
+            query_features,
+            far_bias,
+            keys,
+            values,
+            valids,
+            lambda keys, positions: self._feature_map.features(
+                keys, positions, length
+            )[0],
+            state[:2],
+            self._readout,
+            self.local_window,
+            self._log_gates(valids, ops.shape(valids)),
+            causal_mode=self.causal,
+            recurrent_mode=self.causal and self._use_recurrent(query),
+            chunk=self._chunk_size,
+        )
+        return outputs, state if self.causal else None
 
     def _use_recurrent(self, inputs):
         length = inputs.shape[1]
@@ -985,491 +630,45 @@ class LinearAttention(Layer):
             return length == 1
         return self.execution_mode == "recurrent"
 
-    def _readout(self, numerator, denominator):
-        if not self.use_normalizer:
-            return numerator
-        if self.feature_map == "random_fourier":
-            # Its features can be negative, and so can an estimate of the
-            # normalizer; at least `normalization_epsilon` keeps it finite.
-            denominator = ops.relu(denominator)
-        return numerator / (
-            ops.expand_dims(denominator, -1) + self.normalization_epsilon
-        )
-
-    def _log_decay(self, dtype):
-        """`log(gamma)` per key/value head, `(num_key_value_heads,)`."""
+    def _log_gates(self, valid, shape):
+        """`log(gamma)` per step and key/value head, 0 at masked steps;
+        `None` without decay."""
+        if self.decay is None:
+            return None
+        dtype = self.accumulator_dtype
         if self.decay == "learned":
             # log(sigmoid(logit)), which stays finite for large logits.
-            logit = ops.cast(self.decay_logit, dtype)
-            return -ops.softplus(-logit)
-        if self.decay == "retnet":
-            gamma = _retnet_decays(self.num_key_value_heads)
+            log_decay = -ops.softplus(-ops.cast(self.decay_logit, dtype))
         else:
-            gamma = np.broadcast_to(
-                np.asarray(self.decay, "float64"), (self.num_key_value_heads,)
-            )
-        return ops.convert_to_tensor(np.log(gamma), dtype)
-
-    def _step_decay(self, valid, shape, dtype):
-        """`gamma` for each step and key/value head, 1 at masked steps."""
-        log_decay = ops.broadcast_to(self._log_decay(dtype), shape)
-        if valid is not None:
-            log_decay = log_decay * ops.expand_dims(valid, -1)
-        return ops.exp(log_decay)
-
-    @property
-    def _group_size(self):
-        return self.num_heads // self.num_key_value_heads
-
-    def _split_heads(self, x):
-        """`(..., num_heads, f)` -> `(..., num_key_value_heads, group, f)`.
-
-        Query head `i` uses key/value head `i // group`, as in
-        `GroupedQueryAttention`.
-        """
-        shape = ops.shape(x)
-        return ops.reshape(
-            x,
-            tuple(shape[:-2])
-            + (self.num_key_value_heads, self._group_size, shape[-1]),
+            gamma = self.decay
+            if self.decay == "retnet":
+                gamma = _retnet_decays(self.num_key_value_heads)
+            gamma = np.broadcast_to(gamma, (self.num_key_value_heads,))
+            log_decay = ops.convert_to_tensor(np.log(gamma), dtype)
+        gates = ops.broadcast_to(
+            log_decay, tuple(shape) + (self.num_key_value_heads,)
         )
-
-    def _merge_heads(self, x):
-        shape = ops.shape(x)
-        return ops.reshape(x, tuple(shape[:-3]) + (self.num_heads, shape[-1]))
-
-    def _non_causal(self, query, key, value):
-        # k = key/value heads, g = query heads per key/value head.
-        query = self._split_heads(query)
-        key_value = ops.einsum("btkd,btke->bkde", key, value)
-        numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
-        denominator = None
-        if self.use_normalizer:
-            key_sum = ops.sum(key, axis=1)
-            denominator = ops.einsum("btkgd,bkd->btkg", query, key_sum)
-        return self._merge_heads(self._readout(numerator, denominator))
-
-    def _linear_step(self, state, query_t, key_t, value_t, decay_t=None):
-        """One step of the recurrence, from features of one time step.
-
-        `decay_t`: `(batch, num_key_value_heads)` factors of the state
-        before the step is added, or `None`. Returns the state after step
-        `t` and the numerator and denominator of query `t`, per key/value
-        head and query head in its group.
-        """
-        if decay_t is not None:
-            decay_t = ops.expand_dims(decay_t, -1)
-            state = (state[0] * ops.expand_dims(decay_t, -1),) + tuple(
-                s * decay_t for s in state[1:]
-            )
-        query_t = self._split_heads(query_t)
-        key_value = state[0] + ops.einsum("bkd,bke->bkde", key_t, value_t)
-        numerator = ops.einsum("bkgd,bkde->bkge", query_t, key_value)
-        if not self.use_normalizer:
-            return (key_value,), numerator, None
-        key_sum = state[1] + key_t
-        denominator = ops.einsum("bkgd,bkd->bkg", query_t, key_sum)
-        return (key_value, key_sum), numerator, denominator
-
-    def _plain_step(self, state, step_inputs):
-        state, numerator, denominator = self._linear_step(state, *step_inputs)
-        return state, self._merge_heads(self._readout(numerator, denominator))
-
-    def _recurrent(self, step, initial_state, sequences):
-        """The reference: `step(state, inputs_t)` for each time step.
-
-        `sequences` are `(batch, time, ...)`; returns the stacked per-step
-        outputs and the last state.
-        """
-        if sequences[0].shape[1] == 1:
-            # A decoding step needs no loop, which eager JAX would compile
-            # again on every call.
-            state, outputs = step(
-                initial_state, tuple(x[:, 0] for x in sequences)
-            )
-            return ops.expand_dims(outputs, 1), state
-
-        def swap_batch_and_time(x):
-            return ops.transpose(x, (1, 0) + tuple(range(2, len(x.shape))))
-
-        state, outputs = _scan(
-            step,
-            initial_state,
-            tuple(swap_batch_and_time(x) for x in sequences),
-        )
-        return swap_batch_and_time(outputs), state
-
-    def _to_chunks(self, x, group):
-        """`(b, t, heads, f)` -> `(b * kv heads * chunks, g * c, f)`.
-
-        Zero steps pad `x` to whole chunks. Each row block is one chunk of
-        one key/value head, with the query heads that share it stacked
-        along the rows, so that every product is one batched matrix product.
-        """
-        chunk = self._chunk_size
-        x = _append_zeros(x, _padding(ops.shape(x)[1], chunk))
-        shape = ops.shape(x)
-        x = ops.reshape(
-            x,
-            (shape[0], -1, chunk, self.num_key_value_heads, group, shape[-1]),
-        )
-        x = ops.transpose(x, (0, 3, 1, 4, 2, 5))
-        return ops.reshape(x, (-1, group * chunk, shape[-1]))
-
-    def _from_chunks(self, x, batch, length):
-        """`(b * kv heads * chunks, g * c, f)` -> `(b, t, heads, f)`."""
-        features = ops.shape(x)[-1]
-        x = ops.reshape(
-            x,
-            (
-                batch,
-                self.num_key_value_heads,
-                -1,
-                self._group_size,
-                self._chunk_size,
-                features,
-            ),
-        )
-        x = ops.transpose(x, (0, 2, 4, 1, 3, 5))
-        x = ops.reshape(x, (batch, -1, self.num_heads, features))
-        padding = _padding(length, self._chunk_size)
-        if not isinstance(padding, int) or padding:
-            x = x[:, :length]
-        return x
-
-    def _parallel(
-        self, query, key, value, initial_state, valid=None, readout=False
-    ):
-        """The chunkwise form of `_recurrent` with `_linear_step`.
-
-        `valid`: the `(batch, time)` mask as 0/1 or `None`, which only
-        `decay` reads (masked steps do not decay the state). Returns the
-        numerators and denominators of the queries, as `(batch, time,
-        heads, value_dim)` and `(batch, time, heads)` (`None` without the
-        normalizer), or with `readout` their ratios, and the last state.
-        """
-        batch, length = ops.shape(query)[:2]
-        heads, group = self.num_key_value_heads, self._group_size
-        chunk = self._chunk_size
-        # Zero keys and values pad to whole chunks without changing the
-        # state; their outputs are cut.
-        query = self._to_chunks(query, group)
-        key, value = self._to_chunks(key, 1), self._to_chunks(value, 1)
-
-        def per_chunk(x):
-            return ops.reshape(x, (batch, heads, -1) + tuple(x.shape[1:]))
-
-        def per_row_block(x):
-            return ops.reshape(x, (-1,) + tuple(x.shape[3:]))
-
-        # Inside a chunk: attention of step c to steps s <= c, by a lower
-        # triangular matrix of ones, or with decay of gamma^(steps from s
-        # to c).
-        scores = ops.einsum("xcd,xsd->xcs", query, key)
-        shape = ops.shape(scores)
-        scores = ops.reshape(scores, (-1, group, chunk, chunk))
-        decay = None
-        if self.decay is None:
-            scores = ops.tril(scores)
-        else:
-            log_decay = self._log_decay(query.dtype)
-
-            def powers(exponent):
-                """`gamma^exponent`: `(batch, chunks, ...)` -> row blocks."""
-                return per_row_block(_powers(log_decay, exponent))
-
-            # Unmasked steps up to each step of its chunk; float32 counts
-            # stay exact integers.
-            steps = ops.ones((batch, length)) if valid is None else valid
-            steps = _append_zeros(
-                ops.cast(steps, "float32"), _padding(length, chunk)
-            )
-            counts = ops.cumsum(ops.reshape(steps, (batch, -1, chunk)), -1)
-            elapsed = ops.expand_dims(counts, -1) - ops.expand_dims(counts, -2)
-            scores = scores * ops.expand_dims(
-                ops.tril(powers(ops.tril(elapsed))), 1
-            )
-            # The entering state decays up to each query, and each key up
-            # to the end of its chunk.
-            query = query * ops.expand_dims(
-                ops.tile(powers(counts), (1, group)), -1
-            )
-            key = key * ops.expand_dims(powers(counts[..., -1:] - counts), -1)
-            decay = (counts[..., -1], log_decay)
-        scores = ops.reshape(scores, shape)
-        numerator = ops.einsum("xcs,xse->xce", scores, value)
-
-        # Across chunks: the state entering each chunk is the initial state
-        # plus the summaries of all earlier chunks.
-        summaries = (ops.einsum("xcd,xce->xde", key, value),)
-        if self.use_normalizer:
-            # Apart from the values: a column of ones appended to them makes
-            # the products' sizes odd, which XLA runs slower.
-            summaries += (ops.sum(key, axis=1),)
-        state, entering = zip(
-            *(
-                _exclusive_prefix_sum(start, per_chunk(summary), decay)
-                for start, summary in zip(initial_state, summaries)
-            )
-        )
-        entering = tuple(per_row_block(x) for x in entering)
-        numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
-        denominator = None
-        if self.use_normalizer:
-            denominator = ops.sum(scores, axis=-1) + ops.einsum(
-                "xcd,xd->xc", query, entering[1]
-            )
-        if readout or not self.use_normalizer:
-            outputs = self._readout(numerator, denominator)
-            outputs = self._from_chunks(outputs, batch, length)
-            return (outputs if readout else (outputs, None)), state
-        # Rearranged together: a tensor of one feature would make PyTorch's
-        # export specialize the length.
-        outputs = self._from_chunks(
-            ops.concatenate(
-                [numerator, ops.expand_dims(denominator, -1)], axis=-1
-            ),
-            batch,
-            length,
-        )
-        return (outputs[..., :-1], outputs[..., -1]), state
-
-    def _hybrid(self, query, key, value, valid, state):
-        """Softmax over the last `local_window` steps, linear beyond them.
-
-        `query` and `key` are projected, before the feature map; `valid`
-        is the `(batch, time)` mask as 0/1 or `None`. Both parts share the
-        softmax's normalizer: the far part, `phi(q) . S` and `phi(q) . z`
-        over the steps that left the window, is weighted by
-        `exp(far_log_scale)` against the window's `exp(q . k / sqrt(d))`.
-        """
-        window = self.local_window
-        batch, length = ops.shape(query)[:2]
-        dtype = query.dtype
         if valid is None:
-            valid = ops.ones((batch, length), dtype)
-        query_features, log_scale = self._feature(query, is_query=True)
-        # The far part's log-weight per query: its own scale, and the factor
-        # taken out of FAVOR+ query features, which the window does not
-        # share.
-        far_bias = ops.cast(self.far_log_scale, dtype)
-        if log_scale is not None:
-            far_bias = far_bias + log_scale
-        else:
-            far_bias = ops.broadcast_to(far_bias, ops.shape(query)[:3])
-        query = query * self.key_dim**-0.5
+            return gates
+        return gates * ops.expand_dims(valid, -1)
 
-        def heads_first(x):
-            return ops.transpose(x, (0, 2, 1, 3))
-
-        def with_window(prefix, x):
-            """`x` after `prefix`: keys and values heads first, as the state."""
-            if len(x.shape) == 2:
-                return ops.concatenate([prefix, x], axis=1)
-            return ops.concatenate([prefix, heads_first(x)], axis=2)
-
-        if self.causal:
-            # The carried window precedes the new steps.
-            window_keys, window_values, window_valid = state[2:]
-        else:
-            # Nothing before the first step.
-            heads = self.num_key_value_heads
-            window_keys = ops.zeros((batch, heads, window, self.key_dim), dtype)
-            window_values = ops.zeros(
-                (batch, heads, window, self.value_dim), dtype
-            )
-            window_valid = ops.zeros((batch, window), dtype)
-        keys = with_window(window_keys, key)
-        values = with_window(window_values, value)
-        valids = with_window(window_valid, valid)
-
-        def delayed(keys, values, valids):
-            """Feature-mapped keys and values `local_window` steps back."""
-            keys, values = (
-                heads_first(x[:, :, :length]) for x in (keys, values)
-            )
-            features = self._feature(keys, is_query=False)[0]
-            features = features * ops.expand_dims(valids[:, :length], (2, 3))
-            if self.decay is not None:
-                # Each key leaves the window decayed by the unmasked steps
-                # since it arrived, as in the state of the plain layer.
-                counts = ops.cumsum(ops.cast(valids, "float32"), axis=1)
-                later = counts[:, window:] - counts[:, :length]
-                powers = _powers(self._log_decay(dtype), later)
-                features = features * ops.expand_dims(
-                    ops.transpose(powers, (0, 2, 1)), -1
-                )
-            return features, values
-
-        if self.causal and self._use_recurrent(query):
-            step_inputs = (query, query_features, far_bias, key, value, valid)
-            step_inputs += delayed(keys, values, valids)
-            if self.decay is not None:
-                step_inputs += (
-                    self._step_decay(valid, ops.shape(key)[:3], dtype),
-                )
-            initial = tuple(state[:2]) + (
-                window_keys,
-                window_values,
-                window_valid,
-            )
-            outputs, far_state = self._recurrent(
-                self._hybrid_step, initial, step_inputs
-            )
-            far_state = far_state[:2]
-        else:
-            span = window if self.causal else 2 * window - 1
-            numerator, denominator, maximum = self._window_parallel(
-                query, keys, values, valids, span
-            )
-            query_features = query_features * ops.expand_dims(
-                ops.exp(far_bias - maximum), -1
-            )
-            far_state = (
-                state[:2] if self.causal else self._zero_state(batch)[:2]
-            )
-            (far_numerator, far_denominator), far_state = self._parallel(
-                query_features, *delayed(keys, values, valids), far_state, valid
-            )
-            numerator = numerator + far_numerator
-            denominator = denominator + far_denominator
-            if not self.causal:
-                # The keys at least `local_window` steps after each query:
-                # the same on the reversed sequence.
-                def reverse(x):
-                    return ops.flip(x, axis=1)
-
-                (far_numerator, far_denominator), _ = self._parallel(
-                    reverse(query_features),
-                    *delayed(
-                        with_window(window_keys, reverse(key)),
-                        with_window(window_values, reverse(value)),
-                        with_window(window_valid, reverse(valid)),
-                    ),
-                    self._zero_state(batch)[:2],
-                )
-                numerator = numerator + reverse(far_numerator)
-                denominator = denominator + reverse(far_denominator)
-            outputs = self._readout(numerator, denominator)
+    def _check_streaming(self, received):
+        """Refuses a state where the layer has none to carry; `received`
+        says what was asked."""
         if not self.causal:
-            return outputs, None
-        state = tuple(far_state) + (
-            keys[:, :, -window:],
-            values[:, :, -window:],
-            valids[:, -window:],
-        )
-        return outputs, state
-
-    def _hybrid_step(self, state, step_inputs):
-        """One step of `_hybrid`, with the window as a ring buffer."""
-        key_value, key_sum, window_keys, window_values, window_valid = state
-        query, query_features, far_bias, key, value, valid = step_inputs[:6]
-
-        def push(window, x):
-            """Drops the oldest step of `window` and appends `x`."""
-            if len(window.shape) == 2:
-                return ops.concatenate(
-                    [window[:, 1:], ops.expand_dims(x, 1)], axis=1
-                )
-            x = ops.expand_dims(x, 2)
-            return ops.concatenate([window[:, :, 1:], x], axis=2)
-
-        window_keys = push(window_keys, key)
-        window_values = push(window_values, value)
-        window_valid = push(window_valid, valid)
-        scores = ops.einsum(
-            "bkgd,bkwd->bkgw", self._split_heads(query), window_keys
-        )
-        scores = ops.where(
-            window_valid[:, None, None, :] > 0, scores, -math.inf
-        )
-        # The softmax's stabilizer, at least 0 so that a window of low
-        # scores cannot scale the far part up.
-        maximum = ops.relu(ops.max(scores, axis=-1))
-        weights = ops.exp(scores - ops.expand_dims(maximum, -1))
-        numerator = ops.einsum("bkgw,bkwe->bkge", weights, window_values)
-        denominator = ops.sum(weights, axis=-1)
-        far_weight = ops.exp(
-            far_bias - self._merge_heads(ops.expand_dims(maximum, -1))[..., 0]
-        )
-        (key_value, key_sum), far_numerator, far_denominator = (
-            self._linear_step(
-                (key_value, key_sum),
-                query_features * ops.expand_dims(far_weight, -1),
-                *step_inputs[6:],
+            raise ValueError(
+                "`initial_state`, `return_state` and `get_initial_state()` "
+                "are only supported by causal layers (`causal=True`): "
+                "non-causal attention has no recurrent state. Received: "
+                f"causal={self.causal}, {received}"
             )
-        )
-        outputs = self._readout(
-            numerator + far_numerator, denominator + far_denominator
-        )
-        state = (key_value, key_sum, window_keys, window_values, window_valid)
-        return state, self._merge_heads(outputs)
-
-    def _window_parallel(self, query, keys, values, valids, span):
-        """The window part of `_hybrid`, chunkwise.
-
-        Step `t` of `query` attends to steps `t + 1` to `t + span` of
-        `keys` and `values`, `(batch, kv heads, steps, f)`, and `valids`,
-        `(batch, steps)`, which begin `local_window` steps before `query`.
-        Returns the numerators, denominators and softmax stabilizers,
-        `(batch, time, heads, ...)`.
-        """
-        chunk, group = self._chunk_size, self._group_size
-        batch, length = ops.shape(query)[:2]
-        # Each query chunk reads this many key chunks, from its own on.
-        blocks = (chunk - 1 + span) // chunk + 1
-        padding = _padding(length, chunk) + (
-            (blocks - 1) * chunk - self.local_window
-        )
-
-        def to_blocks(x):
-            """`(n, w + t, ...)` -> `(n, chunks, blocks * c, ...)`."""
-            x = _append_zeros(x, padding)
-            shape = ops.shape(x)
-            x = ops.reshape(x, (shape[0], -1, chunk) + tuple(shape[2:]))
-            return ops.concatenate(
-                [x[:, i : i + 1 - blocks or None] for i in range(blocks)],
-                axis=2,
+        if not self._feature_map.streams:
+            raise ValueError(
+                f"feature_map={self.feature_map!r} weighs each step by its "
+                "position in the call's whole length, which a stream of "
+                "pieces cannot know: a causal layer with it takes no "
+                f"`initial_state` and returns no state. Received: {received}"
             )
-
-        def to_row_blocks(x):
-            """`(b, kv heads, w + t, f)` -> `(b * kv heads * chunks, s, f)`,
-            ordered as the query chunks."""
-            features = ops.shape(x)[-1]
-            x = to_blocks(ops.reshape(x, (-1,) + tuple(ops.shape(x)[2:])))
-            return ops.reshape(x, (-1, blocks * chunk, features))
-
-        query = self._to_chunks(query, group)
-        scores = ops.einsum("xcd,xsd->xcs", query, to_row_blocks(keys))
-        scores = ops.reshape(
-            scores,
-            (batch, self.num_key_value_heads, -1, group, chunk, blocks * chunk),
-        )
-        # Query c of a chunk and key s of its blocks are steps c and
-        # s - local_window of the chunk.
-        offset = ops.expand_dims(
-            ops.arange(blocks * chunk), 0
-        ) - ops.expand_dims(ops.arange(chunk), 1)
-        band = ops.logical_and(offset > 0, offset <= span)
-        allowed = ops.logical_and(
-            band, ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
-        )
-        scores = ops.where(allowed, scores, -math.inf)
-        # The softmax's stabilizer, at least 0 so that a window of low
-        # scores cannot scale the far part up.
-        maximum = ops.relu(ops.max(scores, axis=-1))
-        weights = ops.exp(scores - ops.expand_dims(maximum, -1))
-        weights = ops.reshape(weights, (-1, group * chunk, blocks * chunk))
-        numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
-        denominator = ops.sum(weights, axis=-1, keepdims=True)
-        maximum = ops.reshape(maximum, (-1, group * chunk, 1))
-        # Rearranged together, as in `_parallel`.
-        outputs = self._from_chunks(
-            ops.concatenate([numerator, denominator, maximum], axis=-1),
-            batch,
-            length,
-        )
-        return outputs[..., :-2], outputs[..., -2], outputs[..., -1]
 
     def _check_call_arguments(self, inputs, initial_state, return_state):
         if isinstance(inputs, (list, tuple, dict)):
@@ -1483,51 +682,42 @@ class LinearAttention(Layer):
                 "e.g. `keras.ops.cast(inputs, 'float32')`, or embed integer "
                 "tokens first (e.g. with `keras.layers.Embedding`)."
             )
-        if not self.causal:
-            if return_state or initial_state is not None:
-                raise ValueError(
-                    "`initial_state` and `return_state` are only supported "
-                    "by causal layers (`causal=True`): non-causal attention "
-                    f"has no recurrent state. Received: causal={self.causal}"
-                    f", return_state={return_state}, initial_state "
-                    f"{'given' if initial_state is not None else 'None'}"
-                )
-            return
+        if return_state or initial_state is not None:
+            given = "given" if initial_state is not None else "None"
+            self._check_streaming(
+                f"return_state={return_state}, initial_state {given}"
+            )
         if initial_state is not None:
             self._check_state(initial_state, inputs.shape[0])
 
     def _check_state(self, state, batch_size):
         shapes = self._state_shapes()
-        names = (
-            "key_value_state",
-            "key_state",
-            "window_keys",
-            "window_values",
-            "window_valid",
-        )[: len(shapes)]
         expected = ", ".join(
             f"{name} (batch_size,) + {shape}"
-            for name, shape in zip(names, shapes)
+            for name, shape in zip(_STATE_NAMES, shapes)
         )
         if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
-            received = type(state).__name__
-            if isinstance(state, (list, tuple)):
-                received += f" of {len(state)} element(s)"
             raise ValueError(
                 f"`initial_state` must be a tuple of {len(shapes)} "
                 f"tensor(s): {expected}, as returned by "
                 "`get_initial_state()` or by a call with `return_state=True`."
-                f" Received: initial_state of type {received}"
+                f" Received: initial_state of type {type(state).__name__}"
+                + (
+                    f" of {len(state)} element(s)"
+                    if _is_sequence(state)
+                    else ""
+                )
             )
-        for name, tensor, shape in zip(names, state, shapes):
+        for name, tensor, shape in zip(_STATE_NAMES, state, shapes):
             received = tuple(getattr(tensor, "shape", ()))
             if (
-                len(received) != len(shape) + 1
-                or received[1:] != shape
-                or (
-                    None not in (received[0], batch_size)
-                    and received[0] != batch_size
+                received[1:] != shape
+                or received[0]
+                not in (
+                    batch_size,
+                    None,
                 )
+                and batch_size is not None
             ):
                 raise ValueError(
                     f"`initial_state` element {name} must have shape "
@@ -1571,65 +761,41 @@ class LinearAttention(Layer):
         )
         if not return_state:
             return outputs
-        batch_size = inputs.shape[0]
-        state = tuple(
+        return outputs, tuple(
             backend.KerasTensor(
-                (batch_size,) + shape, dtype=self.accumulator_dtype
+                (inputs.shape[0],) + shape, self.accumulator_dtype
             )
             for shape in self._state_shapes()
         )
-        return outputs, state
 
     def get_config(self):
-        feature_map = self.feature_map
-        if not isinstance(feature_map, str):
-            error = _loading_error(feature_map)
-            if error is not None:
-                raise ValueError(
-                    "Cannot serialize `LinearAttention`: its `feature_map` "
-                    "callable would not load back. Register it with "
-                    "`@keras.saving.register_keras_serializable()` so that "
-                    "it can be saved and loaded (a callable object also "
-                    "needs `get_config()` and `from_config()`). Received: "
-                    f"feature_map={feature_map!r} ({error})"
-                ) from None
-            feature_map = serialization_lib.serialize_keras_object(feature_map)
         config = {
-            "num_heads": self.num_heads,
-            "key_dim": self.key_dim,
-            "value_dim": self.value_dim,
-            "output_shape": self._output_shape,
-            "feature_map": feature_map,
-            "use_normalizer": self.use_normalizer,
-            "normalization_epsilon": self.normalization_epsilon,
-            "causal": self.causal,
-            "dropout": self.dropout,
-            "use_bias": self.use_bias,
-            "execution_mode": self.execution_mode,
-            "kernel_initializer": initializers.serialize(
-                self.kernel_initializer
-            ),
-            "bias_initializer": initializers.serialize(self.bias_initializer),
-            "kernel_regularizer": regularizers.serialize(
-                self.kernel_regularizer
-            ),
-            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-            "activity_regularizer": regularizers.serialize(
+            name: getattr(self, name)
+            for name in (
+                "num_heads key_dim value_dim use_normalizer "
+                "normalization_epsilon causal dropout use_bias execution_mode "
+                "seed num_key_value_heads num_features local_window decay"
+            ).split()
+        }
+        config["output_shape"] = self._output_shape
+        config["feature_map"] = linear_attention_feature_maps.serialize(
+            self.feature_map
+        )
+        config.update(
+            kernel_initializer=initializers.serialize(self.kernel_initializer),
+            bias_initializer=initializers.serialize(self.bias_initializer),
+            kernel_regularizer=regularizers.serialize(self.kernel_regularizer),
+            bias_regularizer=regularizers.serialize(self.bias_regularizer),
+            activity_regularizer=regularizers.serialize(
                 self._activity_regularizer
             ),
-            "kernel_constraint": constraints.serialize(self.kernel_constraint),
-            "bias_constraint": constraints.serialize(self.bias_constraint),
-            "seed": self.seed,
-            "num_key_value_heads": self.num_key_value_heads,
-            "num_features": self.num_features,
-            "local_window": self.local_window,
-            "decay": self.decay,
-        }
+            kernel_constraint=constraints.serialize(self.kernel_constraint),
+            bias_constraint=constraints.serialize(self.bias_constraint),
+        )
         projection_dtypes = self._changed_projection_dtypes()
         if projection_dtypes:
             config["projection_dtypes"] = projection_dtypes
-        base_config = super().get_config()
-        return {**base_config, **config}
+        return {**super().get_config(), **config}
 
     @classmethod
     def from_config(cls, config):
@@ -1641,21 +807,6 @@ class LinearAttention(Layer):
         return super().from_config(config)
 
 
-class _PerHeadConstraint(constraints.Constraint):
-    """A dense-kernel constraint on `(heads, key_dim, features)` kernels.
-
-    Applied as on a dense kernel of each head, whose first axis is the
-    input axis (`key_dim`), not across heads.
-    """
-
-    def __init__(self, constraint):
-        self.constraint = constraint
-
-    def __call__(self, w):
-        w = ops.transpose(w, (1, 0, 2))
-        return ops.transpose(self.constraint(w), (1, 0, 2))
-
-
 class _UncastState:
     """A state passed through `Layer.__call__` uncast (see `__call__`)."""
 
@@ -1665,56 +816,135 @@ class _UncastState:
         self.state = state
 
 
-def _loading_error(feature_map):
-    """Why a `feature_map` callable would not save and load, or `None`.
+def _is_sequence(x):
+    return isinstance(x, (list, tuple))
 
-    A function must load as itself: it does for registered functions and
-    for Keras's own (such as `keras.activations.softplus`, saved by name).
-    A `Layer` or other callable object must load as an object of its
-    class: it does for registered classes and Keras's layers (and for
-    others inside a `keras.saving.custom_object_scope`).
-    """
-    try:
-        config = serialization_lib.serialize_keras_object(feature_map)
-        if isinstance(config, dict):
-            # Loaded unbuilt: the class and its config are what matter.
-            config.pop("build_config", None)
-            config.pop("compile_config", None)
-        loaded = serialization_lib.deserialize_keras_object(config)
-    except Exception as error:
-        # Its first sentence (Keras's go on with the whole config).
-        return f"{type(error).__name__}: {str(error).split('. ')[0]}"
-    if inspect.isfunction(feature_map) or inspect.isbuiltin(feature_map):
-        if loaded is not feature_map:
-            return f"it would load as {loaded!r}"
-    elif type(loaded) is not type(feature_map):
-        return f"it would load as {type(loaded).__name__}"
-    return None
+
+def _heads_first(x):
+    return ops.transpose(x, (0, 2, 1, 3))
+
+
+def _clone(initializer):
+    return initializer.__class__.from_config(initializer.get_config())
+
+
+def _masked(x, mask):
+    """`x` with zeros at the masked steps (`mask` boolean or 0/1, `(batch,
+    time)`), or `x` without a mask."""
+    if mask is None:
+        return x
+    mask = ops.expand_dims(mask, tuple(range(2, len(x.shape))))
+    if backend.standardize_dtype(mask.dtype) != "bool":
+        return x * mask
+    return ops.where(mask, x, ops.zeros_like(x))
+
+
+def _check_scalars(**arguments):
+    """Refuses a scalar argument that `_SCALAR_ARGUMENTS` does not allow,
+    naming it, the value received and what is allowed."""
+    for name, value in arguments.items():
+        valid, allowed = _SCALAR_ARGUMENTS[name]
+        if not valid(value):
+            raise ValueError(
+                f"`{name}` must be {allowed}. Received: {name}={value!r}"
+            )
+
+
+def _is_integer(value):
+    """Whether `value` is an integer (NumPy's too), not a boolean."""
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _is_real(value):
+    """Whether `value` is a real number (NumPy's too), not a boolean."""
+    return isinstance(value, numbers.Real) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _is_positive_int(value):
+    return _is_integer(value) and value > 0
+
+
+def _is_optional_positive_int(value):
+    return value is None or _is_positive_int(value)
+
+
+def _is_boolean(value):
+    return isinstance(value, (bool, np.bool_))
+
+
+# The scalar arguments: a test of the value, and what it allows.
+_SCALAR_ARGUMENTS = {
+    "num_heads": (_is_positive_int, "a positive integer"),
+    "key_dim": (_is_positive_int, "a positive integer"),
+    "value_dim": (_is_optional_positive_int, "a positive integer"),
+    "num_key_value_heads": (_is_optional_positive_int, "a positive integer"),
+    "local_window": (_is_optional_positive_int, "a positive integer"),
+    "use_normalizer": (_is_boolean, "a boolean"),
+    "causal": (_is_boolean, "a boolean"),
+    "use_bias": (_is_boolean, "a boolean"),
+    "normalization_epsilon": (
+        lambda v: _is_real(v) and 0 < v < math.inf,
+        "a positive, finite float",
+    ),
+    "dropout": (lambda v: _is_real(v) and 0 <= v < 1, "a float in [0, 1)"),
+    "execution_mode": (
+        lambda v: isinstance(v, str) and v in _EXECUTION_MODES,
+        f"one of {', '.join(map(repr, _EXECUTION_MODES))}",
+    ),
+}
+
+
+def _check_output_shape(output_shape):
+    """`output_shape` as `None` or a Python `int`."""
+    size = output_shape
+    if isinstance(size, (list, tuple)) and len(size) == 1:
+        size = size[0]
+    if size is None or (_is_integer(size) and size > 0):
+        return None if size is None else int(size)
+    raise ValueError(
+        "`output_shape` must be `None`, a positive integer, or a tuple or "
+        f"list of one positive integer. Received: output_shape={output_shape!r}"
+    )
+
+
+def _check_projection_dtypes(projection_dtypes):
+    projection_dtypes = projection_dtypes or {}
+    if not isinstance(projection_dtypes, dict) or not set(
+        projection_dtypes
+    ) <= set(_PROJECTIONS):
+        raise ValueError(
+            "`projection_dtypes` must be a dict from projection names "
+            f"({', '.join(map(repr, _PROJECTIONS))}) to dtype policies. "
+            f"Received: projection_dtypes={projection_dtypes!r}"
+        )
+    return {
+        name: dtype_policies.get(policy)
+        for name, policy in projection_dtypes.items()
+    }
 
 
 def _check_batch_size(batch_size):
-    """`batch_size`, a Python `int` where it is an integer.
-
-    Refuses what is clearly not a batch size and passes anything else on
-    (a symbolic size while exporting with a dynamic batch, such as a
-    `torch.SymInt` or a JAX dimension expression, is neither an integer
-    nor a tensor).
-    """
+    """`batch_size`, a Python `int` where it is an integer. Refuses what is
+    clearly not a batch size and passes on anything else, such as a
+    symbolic size while exporting with a dynamic batch (a `torch.SymInt` or
+    a JAX dimension expression is neither an integer nor a tensor)."""
     if isinstance(batch_size, np.ndarray) and batch_size.ndim == 0:
         batch_size = batch_size[()]
-    if isinstance(batch_size, numbers.Integral) and batch_size >= 0:
-        valid = not isinstance(batch_size, bool)
-        batch_size = int(batch_size)
-    elif batch_size is None or isinstance(
-        batch_size, (numbers.Number, str, bytes, list, tuple, dict)
-    ):
-        valid = False
-    else:
-        dtype = getattr(batch_size, "dtype", None)
-        valid = len(getattr(batch_size, "shape", ())) == 0 and (
-            dtype is None or "int" in backend.standardize_dtype(dtype)
+    if _is_integer(batch_size) and batch_size >= 0:
+        return int(batch_size)
+    dtype = getattr(batch_size, "dtype", None)
+    if (
+        batch_size is None
+        or isinstance(
+            batch_size, (numbers.Number, str, bytes, list, tuple, dict)
         )
-    if not valid:
+        or len(getattr(batch_size, "shape", ()))
+        or (dtype is not None and "int" not in backend.standardize_dtype(dtype))
+    ):
         raise ValueError(
             "`batch_size` must be a non-negative integer or a scalar "
             f"integer tensor. Received: batch_size={batch_size!r}"
@@ -1752,38 +982,6 @@ def _retnet_decay_logits(shape, dtype=None):
     return ops.convert_to_tensor(np.log(decays / (1.0 - decays)), dtype=dtype)
 
 
-def _positive_int(name, value):
-    """`value` as a Python `int` (NumPy integers too), if positive."""
-    if not _is_integer(value) or value <= 0:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}"
-        )
-    return int(value)
-
-
-def _boolean(name, value):
-    """`value` as a Python `bool` (NumPy booleans too)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(
-            f"`{name}` must be a boolean. Received: {name}={value!r}"
-        )
-    return bool(value)
-
-
-def _is_integer(value):
-    """Whether `value` is an integer (NumPy's too), not a boolean."""
-    return isinstance(value, numbers.Integral) and not isinstance(
-        value, (bool, np.bool_)
-    )
-
-
-def _is_real(value):
-    """Whether `value` is a real number (NumPy's too), not a boolean."""
-    return isinstance(value, numbers.Real) and not isinstance(
-        value, (bool, np.bool_)
-    )
-
-
 # The largest seed of the dropout layer that every backend's generator
 # takes (PyTorch's holds an int32).
 _MAX_DROPOUT_SEED = 2**31 - 1
@@ -1791,22 +989,18 @@ _MAX_DROPOUT_SEED = 2**31 - 1
 
 def _check_seed(seed, largest=None):
     """`seed` as a Python `int` (or `None`), if non-negative (NumPy, which
-    draws the FAVOR+ features, and JAX refuse negative seeds) and at most
+    draws random features, and JAX refuse negative seeds) and at most
     `largest`."""
-    if seed is None:
-        return None
-    if (
-        not _is_integer(seed)
-        or seed < 0
-        or (largest is not None and seed > largest)
+    if seed is None or (
+        _is_integer(seed) and 0 <= seed <= (largest or math.inf)
     ):
-        allowed = "a non-negative integer"
-        if largest is not None:
-            allowed = f"an integer in [0, {largest}] with dropout"
-        raise ValueError(
-            f"`seed` must be `None` or {allowed}. Received: seed={seed!r}"
-        )
-    return int(seed)
+        return None if seed is None else int(seed)
+    allowed = "a non-negative integer"
+    if largest is not None:
+        allowed = f"an integer in [0, {largest}] with dropout"
+    raise ValueError(
+        f"`seed` must be `None` or {allowed}. Received: seed={seed!r}"
+    )
 
 
 def _check_input_shape(shape):
@@ -1846,16 +1040,12 @@ def _standardize_mask(mask, inputs):
     if mask is None:
         return None
     original = mask
-    if not hasattr(mask, "shape"):
-        try:
-            mask = ops.convert_to_tensor(mask)
-        except Exception:
-            # Such as a state passed by position; the error's type depends
-            # on the backend.
-            mask = None
     try:
+        # Not a tensor, such as a state passed by position: the error's
+        # type depends on the backend.
+        mask = mask if hasattr(mask, "shape") else ops.convert_to_tensor(mask)
         dtype = backend.standardize_dtype(mask.dtype)
-    except (AttributeError, ValueError):
+    except Exception:
         dtype = None
     if dtype is None or not (
         dtype == "bool" or "int" in dtype or backend.is_float_dtype(dtype)
@@ -1868,11 +1058,10 @@ def _standardize_mask(mask, inputs):
             + ("" if dtype is None else f" with dtype {dtype}")
         )
     shape = tuple(mask.shape)
-    compatible = len(shape) == 2 and all(
-        dim is None or dim == 1 or other is None or dim == other
+    if len(shape) != 2 or any(
+        None not in (dim, other) and dim not in (1, other)
         for dim, other in zip(shape, inputs.shape[:2])
-    )
-    if not compatible:
+    ):
         raise ValueError(
             "`mask` must be a 2-D sequence mask of shape (batch_size, "
             "sequence_length), or broadcastable to it such as (1, "
@@ -1886,217 +1075,3 @@ def _standardize_mask(mask, inputs):
     # `logical_and`, unlike `broadcast_to`, allows the unknown dimensions of
     # symbolic tensors.
     return ops.logical_and(mask, ops.ones_like(inputs[:, :, 0], dtype="bool"))
-
-
-def _identity_per_head(shape, dtype=None):
-    """Identity matrices `(key_dim, size)`, one per head: Hedgehog's start.
-
-    With `W = I`, `phi(x) = softmax([x, -x])`: every feature of `x` counts,
-    in both signs, as in an `exp` kernel.
-    """
-    heads, rows, columns = shape
-    return ops.tile(
-        ops.expand_dims(ops.eye(rows, columns, dtype=dtype), 0), (heads, 1, 1)
-    )
-
-
-def _orthogonal_random_features(key_dim, num_features, seed):
-    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy.
-
-    Blocks of `key_dim` orthonormal directions (QR of a Gaussian matrix,
-    with the signs that make it uniformly distributed), scaled by the norms
-    of Gaussian vectors so that each column is marginally Gaussian
-    (Choromanski et al., 2021). NumPy makes it independent of the backend.
-    """
-    if seed is None:
-        # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
-        seed = np.random.randint(2**31 - 1)
-    generator = np.random.default_rng(seed)
-    blocks = []
-    for _ in range(math.ceil(num_features / key_dim)):
-        q, r = np.linalg.qr(generator.standard_normal((key_dim, key_dim)))
-        blocks.append(q * np.where(np.diag(r) < 0, -1.0, 1.0))
-    directions = np.concatenate(blocks, axis=1)[:, :num_features]
-    norms = np.linalg.norm(
-        generator.standard_normal((num_features, key_dim)), axis=1
-    )
-    return directions * norms
-
-
-# Chunks per block of the prefix sum over chunks (`_exclusive_prefix_sum`).
-_PREFIX_BLOCK = 16
-
-
-def _exclusive_prefix_sum(initial, summaries, decay=None):
-    """Exclusive prefix sum over chunks, started from `initial`.
-
-    `summaries`: `(batch, heads, chunks, ...)`, one summary per chunk;
-    `initial`: the `(batch, heads, ...)` state before the first chunk.
-    `decay`: `None`, or the unmasked steps of each chunk, `(batch,
-    chunks)` in float32, and `log(gamma)` per head, `(heads,)`: the state
-    then decays by `gamma` per unmasked step. Returns the state after the
-    last chunk and the states entering each chunk (`initial` plus the
-    summaries of the chunks before it).
-
-    Two levels and no loop over chunks: inside blocks of `_PREFIX_BLOCK`
-    chunks, a product with a strictly lower-triangular matrix (of ones,
-    or of the decay from one chunk to another); across blocks, a
-    cumulative sum of the block totals (with decay, a product with a
-    lower-triangular matrix). A product with zeros is not causal for inf
-    or nan summaries, which only unmasked non-finite inputs give.
-    """
-    shape = ops.shape(summaries)
-    rows = shape[0] * shape[1]
-    chunks = shape[2]
-    summaries = ops.reshape(summaries, (rows, chunks, -1))
-    features = ops.shape(summaries)[-1]
-    # Whole blocks; the number of chunks is a tensor for unknown lengths.
-    block = _PREFIX_BLOCK
-    if isinstance(chunks, int):
-        block = min(block, chunks)
-    padding = _padding(chunks, block)
-    summaries = _append_zeros(summaries, padding)
-    summaries = ops.reshape(summaries, (rows, -1, block, features))
-    # The blocks as one batch axis: PyTorch's `einsum` runs one batched
-    # product (`ops.matmul` demotes float64 to float32 on PyTorch).
-    blocks = ops.reshape(summaries, (-1, block, features))
-    state_shape = ops.shape(initial)
-    initial = ops.reshape(initial, (rows, 1, features))
-    if decay is None:
-        strictly_lower = ops.broadcast_to(
-            ops.tril(ops.ones((block, block), summaries.dtype), -1),
-            (ops.shape(blocks)[0], block, block),
-        )
-        within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
-        within = ops.reshape(within, ops.shape(summaries))
-        # Entering each block, and after the last: initial + earlier blocks.
-        totals = ops.concatenate([initial, ops.sum(summaries, 2)], axis=1)
-        if backend.backend() == "torch":
-            # Workaround: `ops.cumsum` demotes float64 to float32 on
-            # PyTorch.
-            # TODO: use `ops.cumsum` once upstream keeps float64 there.
-            import torch
-
-            totals = torch.cumsum(totals, dim=1)
-        else:
-            totals = ops.cumsum(totals, axis=1)
-        # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows
-        # a slice in the wrong place.
-        entering = within + ops.expand_dims(totals[:, :-1], 2)
-    else:
-        counts, log_decay = decay
-
-        def powers(exponent):
-            """`gamma^exponent`: `(batch, ...)` -> `(rows, ...)`."""
-            powers = _powers(log_decay, exponent)
-            return ops.reshape(powers, (-1,) + tuple(ops.shape(powers)[2:]))
-
-        counts = _append_zeros(counts, padding)
-        counts = ops.reshape(counts, (shape[0], -1, block))
-        # Unmasked steps in the block up to and before each chunk.
-        after = ops.cumsum(counts, axis=-1)
-        before = after - counts
-        elapsed = ops.expand_dims(before, -1) - ops.expand_dims(after, -2)
-        strictly_lower = ops.tril(powers(ops.tril(elapsed, -1)), -1)
-        within = ops.einsum(
-            "xij,xjf->xif",
-            ops.reshape(strictly_lower, (-1, block, block)),
-            blocks,
-        )
-        within = ops.reshape(within, ops.shape(summaries))
-        block_totals = ops.sum(
-            summaries * ops.expand_dims(powers(after[..., -1:] - after), -1),
-            axis=2,
-        )
-        totals = ops.concatenate([initial, block_totals], axis=1)
-        # Unmasked steps up to the end of each block (none for `initial`).
-        ends = ops.cumsum(
-            ops.concatenate(
-                [ops.zeros_like(after[:, :1, -1]), after[:, :, -1]], axis=1
-            ),
-            axis=1,
-        )
-        elapsed = ops.expand_dims(ends, 2) - ops.expand_dims(ends, 1)
-        lower = ops.tril(powers(ops.tril(elapsed)))
-        totals = ops.einsum("xij,xjf->xif", lower, totals)
-        entering = within + ops.expand_dims(
-            powers(before), -1
-        ) * ops.expand_dims(totals[:, :-1], 2)
-    entering = ops.reshape(entering, (rows, -1, features))
-    if not isinstance(padding, int) or padding:
-        entering = entering[:, :chunks]
-    return (
-        ops.reshape(totals[:, -1], state_shape),
-        ops.reshape(entering, shape),
-    )
-
-
-def _powers(log_decay, exponent):
-    """`gamma^exponent` per head, `exp(exponent * log(gamma))`.
-
-    `log_decay`: `(heads,)`; `exponent`: `(batch, ...)` counts of steps.
-    Returns `(batch, heads, ...)` in the dtype of `log_decay`.
-    """
-    exponent = ops.cast(ops.expand_dims(exponent, 1), log_decay.dtype)
-    log_decay = ops.reshape(log_decay, (-1,) + (1,) * (len(exponent.shape) - 2))
-    return ops.exp(exponent * log_decay)
-
-
-def _padding(size, multiple):
-    """How many entries make `size` a multiple of `multiple`.
-
-    Written as `multiple * ceil(size / multiple) - size` so that a padded
-    symbolic size (`jax.export` with an unknown length) is visibly a
-    multiple, which the reshapes into chunks need; the ceiling divides
-    non-negative numbers only, since OpenVINO's integer `//` truncates.
-    """
-    padding = multiple * ((size + multiple - 1) // multiple) - size
-    if backend.backend() == "torch" and not isinstance(size, int):
-        # PyTorch specializes symbolic sizes of 0 or 1 while tracing; one
-        # more whole multiple keeps every derived size above 1.
-        padding = padding + multiple
-    return padding
-
-
-def _append_zeros(x, count):
-    """`x` with `count` zero entries appended along axis 1.
-
-    Not `ops.pad`, which names a new `Operation` on every call: a global
-    counter on which `torch.compile` guards, compiling again each call.
-    """
-    if isinstance(count, int) and not count:
-        return x
-    shape = ops.shape(x)
-    zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
-    return ops.concatenate([x, zeros], axis=1)
-
-
-def _scan(step, initial_state, sequences):
-    """`ops.scan` over tuples of a known length, with per-step outputs
-    unlike the carry.
-
-    Workaround: TensorFlow's `ops.scan` shapes its per-step outputs like
-    the carry and sets no `maximum_iterations`, which XLA needs to
-    differentiate the loop; TensorFlow runs its own `while_loop` here.
-    """
-    if backend.backend() != "tensorflow":
-        return ops.scan(step, initial_state, sequences)
-
-    import tensorflow as tf
-
-    sequences = tree.flatten(sequences)
-    steps = sequences[0].shape[0]
-    inputs = [tf.TensorArray(x.dtype, size=steps).unstack(x) for x in sequences]
-    outputs = tf.TensorArray(sequences[0].dtype, size=steps)
-
-    def body(t, state, outputs):
-        state, output = step(state, tuple(x.read(t) for x in inputs))
-        return t + 1, tuple(state), outputs.write(t, output)
-
-    _, state, outputs = tf.while_loop(
-        lambda t, *_: t < steps,
-        body,
-        (tf.constant(0), tuple(initial_state), outputs),
-        maximum_iterations=steps,
-    )
-    return state, outputs.stack()

@@ -1,0 +1,530 @@
+"""float64 NumPy reference of `keras.layers.LinearAttention`, and helpers.
+
+The integration tests compare the layer with these formulas, written out
+per feature map, independently of the layer's chunks, steps and feature
+map objects: `np_reference` for the plain layer (causal or not, with
+decay), `np_hybrid_reference` for `local_window`. The unit test
+(`keras/src/layers/attention/linear_attention_test.py`) keeps a compact
+reference of its own, so that no integration test imports from it.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from keras.src import backend
+from keras.src.layers.attention.linear_attention import LinearAttention
+
+BATCH, LENGTH, INPUT_DIM = 2, 70, 8
+NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
+# Feature maps and head layouts; "grouped" has 4 query heads on one
+# key/value head, "grouped_hedgehog" and "grouped_random_fourier" 4 on 2
+# (a learnable map or bandwidth per key/value head). Random Fourier
+# features estimate the normalizer, which can come near 0, where the
+# outputs would scale rounding by 1 / epsilon: hence a larger epsilon.
+CONFIGS = {
+    "elu_plus_one": {},
+    "relu": {"feature_map": "relu"},
+    "favor_plus": {"feature_map": "favor_plus", "num_features": 8},
+    "hedgehog": {"feature_map": "hedgehog", "num_features": 8},
+    "grouped": {"num_heads": 4, "num_key_value_heads": 1},
+    "grouped_hedgehog": {
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "feature_map": "hedgehog",
+    },
+    "grouped_random_fourier": {
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "feature_map": "random_fourier",
+        "num_features": 8,
+        "normalization_epsilon": 0.1,
+    },
+    "taylor": {"feature_map": "taylor"},
+    "cosformer": {"feature_map": "cosformer"},
+}
+# The configurations whose causal layer carries a state (cosFormer's
+# features depend on the length of the call).
+STREAMING_CONFIGS = tuple(c for c in CONFIGS if c != "cosformer")
+
+
+def assert_close(actual, expected, rtol, msg=None):
+    """`|actual - expected| <= rtol * max(1, max |expected|)`."""
+    actual = np.asarray(backend.convert_to_numpy(actual), dtype="float64")
+    expected = np.asarray(backend.convert_to_numpy(expected), "float64")
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{msg or ''} shape {actual.shape} != {expected.shape}"
+        )
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    error = float(np.max(np.abs(actual - expected), initial=0.0))
+    if not error <= rtol * scale:
+        raise AssertionError(
+            f"{msg or ''} max abs error {error:.3g} > {rtol:g} * {scale:.3g}"
+        )
+
+
+def random_inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0, dtype="float32"):
+    return np.random.RandomState(seed).normal(size=shape).astype(dtype)
+
+
+def make_layer(config=None, build=True, **kwargs):
+    """A `LinearAttention` of the test's sizes, with `CONFIGS[config]`."""
+    kwargs = {
+        "num_heads": NUM_HEADS,
+        "key_dim": KEY_DIM,
+        "value_dim": VALUE_DIM,
+        # Non-zero biases, so that a misplaced bias shows.
+        "bias_initializer": "random_normal",
+        "seed": 1,
+        **CONFIGS.get(config, {}),
+        **kwargs,
+    }
+    layer = LinearAttention(**kwargs)
+    if build:
+        layer.build((None, None, INPUT_DIM))
+        feature_map = layer.feature_map_layer
+        if layer.feature_map == "hedgehog":
+            # Away from its identity start, so that a misapplied map shows.
+            kernel = feature_map.kernel
+            noise = np.random.RandomState(4).normal(size=kernel.shape)
+            kernel.assign(backend.convert_to_numpy(kernel) + 0.5 * noise)
+        if layer.feature_map == "random_fourier":
+            # Bandwidths other than 1 and per key/value head, so that a
+            # missing or misassigned bandwidth shows.
+            shift(feature_map.log_bandwidth, -0.5, 0.5, seed=5)
+        if layer.decay == "learned":
+            # Away from the RetNet start (gamma near 1), so that a wrong
+            # mapping from `decay_logit` to gamma shows.
+            shift(layer.decay_logit, -2.5, -1.0, seed=6)
+    return layer
+
+
+def shift(variable, low, high, seed):
+    """Adds uniform noise in `[low, high)` to `variable`."""
+    noise = np.random.RandomState(seed).uniform(low, high, variable.shape)
+    variable.assign(backend.convert_to_numpy(variable) + noise)
+
+
+def np_weights(layer):
+    """The layer's weights in float64, by path within the layer."""
+    return {
+        v.path[len(layer.path) + 1 :]: np.asarray(
+            backend.convert_to_numpy(v), "float64"
+        )
+        for v in layer.weights
+    }
+
+
+def np_project(layer, weights, x, name):
+    """The projection `name` of float64 inputs: (batch, time, heads, dim)."""
+    y = np.einsum("btm,mhd->bthd", x, weights[f"{name}/kernel"])
+    return y + weights[f"{name}/bias"] if layer.use_bias else y
+
+
+def np_feature(
+    layer, weights, y, is_query, hybrid=False, positions=None, length=None
+):
+    """`phi` of projected queries or keys with a built-in feature map.
+
+    `hybrid`: FAVOR+ query features as the hybrid needs them, with neither
+    the per-token shift nor the cap, so that `phi(q) . phi(k)` estimates
+    `exp(q . k / sqrt(key_dim))` itself. `positions` and `length`: the
+    steps' indices in the call and its length (cosFormer), by default
+    those of `y`'s time axis.
+    """
+    if layer.feature_map == "elu_plus_one":
+        return np.where(y > 0, y + 1.0, np.exp(np.minimum(y, 0.0)))
+    if layer.feature_map == "relu":
+        return np.maximum(y, 0.0) + layer.normalization_epsilon
+    if layer.feature_map == "cosformer":
+        # [r cos(pi i / 2M), r sin(pi i / 2M)], r = relu(y) + epsilon.
+        if positions is None:
+            positions = np.arange(y.shape[1])
+        angle = np.pi * np.asarray(positions, "float64") / 2
+        angle = (angle / (length or y.shape[1]))[:, None, None]
+        r = np.maximum(y, 0.0) + layer.normalization_epsilon
+        return np.concatenate([r * np.cos(angle), r * np.sin(angle)], -1)
+    if layer.feature_map == "random_fourier":
+        # sqrt(1/m) [sin, cos] of w . x / sigma for the unit vector x; head
+        # i uses the bandwidth of its key/value head.
+        y = y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-12)
+        sigma = np.exp(weights["feature_map/log_bandwidth"])
+        sigma = sigma[np.arange(y.shape[2]) * len(sigma) // y.shape[2]]
+        y = y @ weights["feature_map/random_features"] / sigma[:, None]
+        frequencies = weights["feature_map/random_features"].shape[1]
+        return np.concatenate([np.sin(y), np.cos(y)], -1) / np.sqrt(frequencies)
+    if layer.feature_map == "taylor":
+        # [1, x / d^(1/4), then x_i x_j / sqrt(2 d) for i <= j, row by row,
+        # doubled (in the dot product) where i < j: the pairs of x x^T].
+        d = y.shape[-1]
+        pairs = [
+            y[..., i] * y[..., j] * (1.0 if i < j else 0.5**0.5)
+            for i in range(d)
+            for j in range(i, d)
+        ]
+        return np.concatenate(
+            [
+                np.ones_like(y[..., :1]),
+                y / d**0.25,
+                np.stack(pairs, -1) / d**0.5,
+            ],
+            axis=-1,
+        )
+    if layer.feature_map == "hedgehog":
+        # Head i uses the matrix of its key/value head.
+        kernel = weights["feature_map/kernel"]
+        kernel = kernel[np.arange(y.shape[2]) * len(kernel) // y.shape[2]]
+        y = np.einsum("bthd,hdf->bthf", y, kernel)
+        y = np.exp(np.concatenate([y, -y], axis=-1))
+        return y / np.sum(y, axis=-1, keepdims=True)
+    # FAVOR+: exp(w . x' - |x'|^2 / 2) / sqrt(m), x' = x / key_dim^(1/4).
+    projection = weights["feature_map/random_features"]
+    y = y / layer.key_dim**0.25
+    exponent = y @ projection - 0.5 * np.sum(y**2, -1, keepdims=True)
+    if is_query and hybrid:
+        return np.exp(exponent) / np.sqrt(projection.shape[1])
+    if is_query and layer.use_normalizer:
+        # A per-token factor that cancels in the ratio.
+        exponent = exponent - np.max(exponent, axis=-1, keepdims=True)
+    exponent = np.minimum(exponent, 60.0)  # the layer's overflow cap
+    return np.exp(exponent) / np.sqrt(projection.shape[1])
+
+
+def np_decay(layer, weights):
+    """gamma per key/value head in float64 (ones without decay)."""
+    heads = layer.num_key_value_heads
+    if layer.decay is None:
+        return np.ones(heads)
+    if layer.decay == "learned":
+        return 1.0 / (1.0 + np.exp(-weights["decay_logit"]))
+    if layer.decay == "retnet":
+        return 1.0 - 2.0 ** (-5.0 - np.arange(heads))
+    return np.broadcast_to(np.asarray(layer.decay, "float64"), (heads,))
+
+
+def np_normalize(layer, numerator, denominator):
+    """`numerator / (denominator + epsilon)`, per (..., heads)."""
+    if layer.feature_map == "random_fourier":
+        # Its features, and so its normalizer, can be negative: clamped.
+        denominator = np.maximum(denominator, 0.0)
+    return numerator / (denominator[..., None] + layer.normalization_epsilon)
+
+
+def np_reference(layer, x, mask=None, initial_state=None, feature=None):
+    """Outputs and final state of `layer`, from the formulas in float64.
+
+    `feature` replaces the layer's feature map (for custom maps).
+    """
+    w = np_weights(layer)
+    x = np.asarray(x, "float64")
+
+    def phi(y, is_query):
+        if feature is not None:
+            return feature(y)
+        return np_feature(layer, w, y, is_query)
+
+    query = phi(np_project(layer, w, x, "query"), True)
+    key = phi(np_project(layer, w, x, "key"), False)
+    value = np_project(layer, w, x, "value")
+    # Query head i attends with key/value head i // group.
+    group = layer.num_heads // layer.num_key_value_heads
+    key, value = np.repeat(key, group, 2), np.repeat(value, group, 2)
+    valid = np.ones(x.shape[:2], bool) if mask is None else mask
+    valid = np.broadcast_to(np.asarray(valid, bool), x.shape[:2])
+    key = key * valid[..., None, None]
+    value = value * valid[..., None, None]
+    key_value = np.einsum("bthd,bthe->bthde", key, value)
+    if layer.causal:
+        # The recurrence S_t = gamma^m_t S_{t-1} + phi(k_t)^T v_t (z_t
+        # likewise) from the initial state, where m_t is 0 at masked steps
+        # (zero keys and values there): they neither add nor decay.
+        s_t, z_t = np.zeros(key_value[:, 0].shape), np.zeros(key[:, 0].shape)
+        if initial_state is not None:
+            initial_state = [
+                np.asarray(backend.convert_to_numpy(s), "float64")
+                for s in initial_state
+            ]
+            s_t = np.repeat(initial_state[0], group, 1)
+            if layer.use_normalizer:
+                z_t = np.repeat(initial_state[1], group, 1)
+        gamma = np.where(
+            valid[..., None], np.repeat(np_decay(layer, w), group), 1
+        )
+        s, z = [], []
+        for t in range(x.shape[1]):
+            s_t = gamma[:, t, :, None, None] * s_t + key_value[:, t]
+            z_t = gamma[:, t, :, None] * z_t + key[:, t]
+            s.append(s_t)
+            z.append(z_t)
+        s, z = np.stack(s, axis=1), np.stack(z, axis=1)
+    else:
+        s = np.sum(key_value, axis=1, keepdims=True)
+        z = np.sum(key, axis=1, keepdims=True)
+    heads = np.einsum("bthd,bthde->bthe", query, s)
+    if layer.use_normalizer:
+        denominator = np.einsum("bthd,bthd->bth", query, z)
+        heads = np_normalize(layer, heads, denominator)
+    outputs = np.einsum("bthe,heo->bto", heads, w["attention_output/kernel"])
+    if layer.use_bias:
+        outputs = outputs + w["attention_output/bias"]
+    outputs = outputs * valid[..., None]
+    if not layer.causal:
+        return outputs, None
+    # One state per key/value head (equal within a group).
+    state = (s[:, -1, ::group], z[:, -1, ::group])
+    return outputs, state[: 2 if layer.use_normalizer else 1]
+
+
+def np_hybrid_reference(layer, x, mask=None, initial_state=None):
+    """Outputs and final state of a layer with `local_window`, in float64.
+
+    From the formulas with explicit (query, key) masks for the window and
+    the far part, independent of the layer's chunks and steps. A causal
+    layer's keys are its carried window (zeros and invalid by default)
+    followed by the inputs.
+    """
+    w = np_weights(layer)
+    x = np.asarray(x, "float64")
+    batch, length = x.shape[:2]
+    window = layer.local_window
+    valid = np.ones((batch, length), bool) if mask is None else mask
+    valid = np.broadcast_to(np.asarray(valid, bool), (batch, length))
+    query = np_project(layer, w, x, "query")
+    key = np_project(layer, w, x, "key")
+    value = np_project(layer, w, x, "value")
+    carried = 0
+    if layer.causal:
+        if initial_state is None:
+            # Nothing valid: zeros of the state's shapes.
+            kv_heads = key.shape[2]
+            features = np_feature(layer, w, key, False).shape[-1]
+            initial_state = (
+                np.zeros((batch, kv_heads, features, value.shape[-1])),
+                np.zeros((batch, kv_heads, features)),
+                np.zeros((batch, kv_heads, window, key.shape[-1])),
+                np.zeros((batch, kv_heads, window, value.shape[-1])),
+                np.zeros((batch, window)),
+            )
+        far_kv, far_k, window_keys, window_values, window_valid = (
+            np.asarray(backend.convert_to_numpy(s), "float64")
+            for s in initial_state
+        )
+        key = np.concatenate([window_keys.transpose(0, 2, 1, 3), key], 1)
+        value = np.concatenate([window_values.transpose(0, 2, 1, 3), value], 1)
+        valid = np.concatenate([window_valid > 0.5, valid], axis=1)
+        carried = window
+    # Masked keys and values may hold anything: the masks below exclude
+    # them, and zeros keep the products finite.
+    key = np.where(valid[:, :, None, None], key, 0.0)
+    value = np.where(valid[:, :, None, None], value, 0.0)
+    distance = carried + np.arange(length)[:, None] - np.arange(len(key[0]))
+    if layer.causal:
+        near, far = (distance >= 0) & (distance < window), distance >= window
+    else:
+        near, far = np.abs(distance) < window, np.abs(distance) >= window
+    # (batch, 1, query, key): the same for every head.
+    near = near & valid[:, None, None, :]
+    far = far & valid[:, None, None, :]
+
+    # Query head i attends with key/value head i // group.
+    group = layer.num_heads // layer.num_key_value_heads
+    # With decay, the far part of query t weighs key j by gamma^(unmasked
+    # steps in (j, t]), and the far state carried in by gamma^(unmasked
+    # steps up to t): the plain layer's decayed sum, restricted to the far
+    # keys. `seen[:, i]`: unmasked steps before key i.
+    log_decay = np.log(np_decay(layer, w))
+    seen = np.concatenate([np.zeros((batch, 1)), np.cumsum(valid, 1)], 1)
+    seen_by_query = seen[:, carried + 1 :]
+    far_decay = np.exp(
+        np.repeat(log_decay, group)[:, None, None]
+        * np.maximum(
+            seen_by_query[:, None, :, None] - seen[:, None, None, 1:], 0
+        )
+    )
+    state_decay = np.exp(
+        np.repeat(log_decay, group)[:, None]
+        * (seen_by_query - seen[:, carried : carried + 1])[:, None]
+    )
+
+    def heads(y):
+        return np.repeat(y, group, axis=2)
+
+    scores = np.einsum("bthd,bjhd->bhtj", query, heads(key))
+    scores = scores / np.sqrt(layer.key_dim)
+    stabilizer = np.maximum(
+        0.0, np.max(np.where(near, scores, -np.inf), axis=-1)
+    )
+    near_weights = np.exp(
+        np.where(near, scores - stabilizer[..., None], -np.inf)
+    )
+    query_features = np_feature(layer, w, query, True, hybrid=True)
+    key_features = np_feature(
+        layer, w, key, False, positions=np.arange(-carried, length)
+    )
+    far_weights = np.where(
+        far,
+        np.einsum("bthf,bjhf->bhtj", query_features, heads(key_features))
+        * far_decay,
+        0.0,
+    )
+    # exp(a_h - m_t), (batch, heads, query).
+    far_scale = np.exp(w["far_log_scale"][:, None] - stabilizer)
+    weights = near_weights + far_scale[..., None] * far_weights
+    numerator = np.einsum("bhtj,bjhe->bthe", weights, heads(value))
+    denominator = np.sum(weights, axis=-1)
+    if layer.causal:
+        # The far state carried in is far for every query.
+        far_kv = np.repeat(far_kv, group, axis=1)
+        far_k = np.repeat(far_k, group, axis=1)
+        scale = far_scale * state_decay
+        numerator = numerator + np.einsum(
+            "bht,bthf,bhfe->bthe", scale, query_features, far_kv
+        )
+        denominator = denominator + np.einsum(
+            "bht,bthf,bhf->bht", scale, query_features, far_k
+        )
+    outputs = np_normalize(layer, numerator, denominator.transpose(0, 2, 1))
+    outputs = np.einsum("bthe,heo->bto", outputs, w["attention_output/kernel"])
+    if layer.use_bias:
+        outputs = outputs + w["attention_output/bias"]
+    outputs = outputs * valid[:, carried:, None]
+    if not layer.causal:
+        return outputs, None
+    # Every key but the last `window` has left the window, decayed by the
+    # unmasked steps after it, and the far state carried in by those of the
+    # inputs.
+    after = seen[:, -1:] - seen[:, 1:]
+    left = key_features[:, :-window] * valid[:, :-window, None, None]
+    left = left * np.exp(log_decay * after[:, :-window, None])[..., None]
+    carried_decay = np.exp(
+        log_decay * (seen[:, -1:] - seen[:, carried : carried + 1])
+    )
+    state = (
+        far_kv[:, ::group] * carried_decay[..., None, None]
+        + np.einsum("bjhf,bjhe->bhfe", left, value[:, :-window]),
+        far_k[:, ::group] * carried_decay[..., None] + np.sum(left, axis=1),
+        key[:, -window:].transpose(0, 2, 1, 3),
+        value[:, -window:].transpose(0, 2, 1, 3),
+        valid[:, -window:].astype("float64"),
+    )
+    return outputs, state
+
+
+def hybrid_mask(batch=BATCH, length=LENGTH):
+    """Left padding in the first sequence, holes in the second."""
+    mask = np.ones((batch, length), bool)
+    mask[0, :7] = False
+    mask[1, 20:26] = mask[1, length - 20] = False
+    return mask
+
+
+def hybrid_state(layer, batch, seed, dtype="float32"):
+    """A random hybrid state, with invalid slots inside the window."""
+    rng = np.random.RandomState(seed)
+    shapes = [tuple(s.shape) for s in layer.get_initial_state(batch)]
+    state = (
+        rng.normal(size=shapes[0]),
+        # A sum of positive features.
+        rng.uniform(1, 2, size=shapes[1]),
+        rng.normal(size=shapes[2]),
+        rng.normal(size=shapes[3]),
+        rng.uniform(size=shapes[4]) < 0.7,
+    )
+    return tuple(s.astype(dtype) for s in state)
+
+
+def masked_hybrid_state(state):
+    """A hybrid state in float64, with zeros in its invalid window slots.
+
+    What an invalid slot holds is never read, so that states compare
+    equal whatever the layer keeps there.
+    """
+    state = [np.asarray(backend.convert_to_numpy(s), "float64") for s in state]
+    slots = state[4][:, None, :, None] > 0.5
+    state[2] = np.where(slots, state[2], 0.0)
+    state[3] = np.where(slots, state[3], 0.0)
+    return state
+
+
+def assign_far_log_scale(layer, value=None, seed=2):
+    """Sets `far_log_scale` to `value`, or to random values."""
+    (variable,) = [v for v in layer.weights if v.path.endswith("far_log_scale")]
+    shape = tuple(variable.shape)
+    if value is None:
+        value = np.random.RandomState(seed).uniform(-1, 1, size=shape)
+    variable.assign(np.broadcast_to(value, shape).astype(variable.dtype))
+
+
+def layer_gradients(layer, x, upstream, **call_kwargs):
+    """Gradients of `sum(layer(x) * upstream)` w.r.t. `x` and the weights."""
+    if backend.backend() == "jax":
+        import jax
+
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def loss(trainable, x):
+            y, _ = layer.stateless_call(
+                trainable, non_trainable, x, **call_kwargs
+            )
+            return jax.numpy.sum(y.astype("float32") * upstream)
+
+        grad_weights, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+            [v.value for v in layer.trainable_variables], x
+        )
+        grads = [grad_x] + list(grad_weights)
+    elif backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, **call_kwargs)
+            loss = tf.reduce_sum(tf.cast(y, "float32") * upstream)
+        variables = [v.value for v in layer.trainable_variables]
+        grads = tape.gradient(loss, [x] + variables)
+    elif backend.backend() == "torch":
+        import torch
+
+        x = torch.tensor(x, requires_grad=True)
+        y = layer(x, **call_kwargs).float()
+        loss = torch.sum(y * torch.tensor(upstream))
+        variables = [v.value for v in layer.trainable_variables]
+        grads = torch.autograd.grad(loss, [x] + variables)
+    else:
+        pytest.skip(f"No gradients on the {backend.backend()} backend.")
+    return [np.asarray(backend.convert_to_numpy(g), "float64") for g in grads]
+
+
+def stream(layer, x, sizes, mask=None):
+    """Runs `x` through a causal layer in pieces of the given sizes."""
+    state = layer.get_initial_state(x.shape[0])
+    outputs, start = [], 0
+    for size in sizes:
+        piece = slice(start, start + size)
+        y, state = layer(
+            x[:, piece],
+            mask=None if mask is None else mask[:, piece],
+            initial_state=state,
+            return_state=True,
+        )
+        outputs.append(backend.convert_to_numpy(y))
+        start += size
+    return np.concatenate(outputs, axis=1), state
+
+
+@contextlib.contextmanager
+def float64_enabled():
+    """Enables float64 on JAX (off by default there) for a block."""
+    if backend.backend() != "jax":
+        yield
+        return
+    import jax
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)

@@ -1,0 +1,649 @@
+"""The algorithms of `LinearAttention`, as functions of tensors.
+
+Shapes: queries `(batch, time, heads, features)`; keys and values
+`(batch, time, kv_heads, ...)`, where query head `i` uses key/value head
+`i // (heads // kv_heads)`, as in `GroupedQueryAttention`. The causal state
+is `(S,)` or `(S, z)` (with the normalizer), of shapes `(batch, kv_heads,
+features, value_dim)` and `(batch, kv_heads, features)`. Decay comes as
+per-step log-gates `(batch, time, kv_heads)`, 0 at masked steps, or
+`None`: the state is multiplied by `exp(gate)` before each step is added.
+
+`linear_step` is the reference; `chunkwise` computes the same outputs
+chunk by chunk, and `recurrent` runs any step over a sequence.
+"""
+
+import functools
+import math
+
+from keras.src import backend
+from keras.src import ops
+from keras.src import tree
+
+# Chunks per block of the prefix over chunks (`prefix_over_chunks`).
+_PREFIX_BLOCK = 16
+
+
+def normalize(numerator, denominator, epsilon, clamp=False):
+    """`numerator / (denominator + epsilon)`, or `numerator` if no
+    `denominator`; `clamp` keeps an estimated denominator at least 0."""
+    if denominator is None:
+        return numerator
+    if clamp:
+        denominator = ops.relu(denominator)
+    return numerator / (ops.expand_dims(denominator, -1) + epsilon)
+
+
+def non_causal(query, key, value, readout, use_normalizer=True):
+    """Every query attends to every key: two sums over the sequence."""
+    query = _split_heads(query, key.shape[2])
+    key_value = ops.einsum("btkd,btke->bkde", key, value)
+    numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
+    denominator = None
+    if use_normalizer:
+        key_sum = ops.sum(key, axis=1)
+        denominator = ops.einsum("btkgd,bkd->btkg", query, key_sum)
+    return _merge_heads(readout(numerator, denominator))
+
+
+def linear_step(state, query, key, value, log_gate=None):
+    """One step of `S_t = exp(gate_t) S_(t-1) + phi(k_t)^T v_t` (and
+    `z_t = exp(gate_t) z_(t-1) + phi(k_t)`), read by `phi(q_t)`.
+
+    Takes `(batch, heads, ...)` features of one step; returns the new
+    state and the numerators and denominators `(batch, kv_heads, group,
+    ...)` of the query.
+    """
+    if log_gate is not None:
+        gate = ops.expand_dims(ops.exp(log_gate), -1)
+        state = (state[0] * ops.expand_dims(gate, -1),) + tuple(
+            s * gate for s in state[1:]
+        )
+    query = _split_heads(query, key.shape[1])
+    key_value = state[0] + ops.einsum("bkd,bke->bkde", key, value)
+    numerator = ops.einsum("bkgd,bkde->bkge", query, key_value)
+    if len(state) == 1:
+        return (key_value,), numerator, None
+    key_sum = state[1] + key
+    denominator = ops.einsum("bkgd,bkd->bkg", query, key_sum)
+    return (key_value, key_sum), numerator, denominator
+
+
+def recurrent(step, initial_state, sequences):
+    """`step(state, inputs_t) -> (state, output_t)` for each time step of
+    the `(batch, time, ...)` `sequences`; returns the stacked outputs and
+    the last state."""
+    if sequences[0].shape[1] == 1:
+        # A decoding step needs no loop, which eager JAX would compile
+        # again on every call.
+        state, outputs = step(initial_state, tuple(x[:, 0] for x in sequences))
+        return ops.expand_dims(outputs, 1), state
+
+    def swap_batch_and_time(x):
+        return ops.transpose(x, (1, 0) + tuple(range(2, len(x.shape))))
+
+    state, outputs = _scan(
+        step, initial_state, tuple(swap_batch_and_time(x) for x in sequences)
+    )
+    return swap_batch_and_time(outputs), state
+
+
+def causal(query, key, value, state, log_gates, readout, recurrent_mode, chunk):
+    """Causal linear attention by steps or by chunks; returns the read
+    outputs `(batch, time, heads, value_dim)` and the last state."""
+    if not recurrent_mode:
+        return chunkwise(query, key, value, state, log_gates, readout, chunk)
+
+    def step(state, inputs):
+        state, numerator, denominator = linear_step(state, *inputs)
+        return state, _merge_heads(readout(numerator, denominator))
+
+    sequences = (query, key, value)
+    if log_gates is not None:
+        sequences += (log_gates,)
+    return recurrent(step, state, sequences)
+
+
+def chunkwise(query, key, value, state, log_gates, readout, chunk):
+    """The outputs of `linear_step` over a sequence, chunk by chunk.
+
+    Inside a chunk, a masked `(chunk, chunk)` product; across chunks, the
+    state entering each chunk from `prefix_over_chunks`. With `readout`
+    `None`, returns the numerators and denominators (`None` without the
+    normalizer) instead of the outputs.
+    """
+    batch, length = ops.shape(query)[:2]
+    heads, group = key.shape[2], query.shape[2] // key.shape[2]
+    use_normalizer = len(state) == 2
+    # Zero keys and values pad to whole chunks without changing the state;
+    # their outputs are cut.
+    query = _to_chunks(query, heads, chunk)
+    key, value = _to_chunks(key, heads, chunk), _to_chunks(value, heads, chunk)
+    scores = ops.einsum("xcd,xsd->xcs", query, key)
+    shape = ops.shape(scores)
+    scores = ops.reshape(scores, (-1, group, chunk, chunk))
+    chunk_gates = None
+    if log_gates is None:
+        scores = ops.tril(scores)
+    else:
+        scores, query, key, chunk_gates = _decay_in_chunks(
+            scores, query, key, log_gates, batch, length, chunk
+        )
+    scores = ops.reshape(scores, shape)
+    numerator = ops.einsum("xcs,xse->xce", scores, value)
+
+    def per_chunk(x):
+        return ops.reshape(x, (batch, heads, -1) + tuple(x.shape[1:]))
+
+    summaries = (ops.einsum("xcd,xce->xde", key, value),)
+    if use_normalizer:
+        # Apart from the values: a column of ones appended to them makes
+        # the products' sizes odd, which XLA runs slower.
+        summaries += (ops.sum(key, axis=1),)
+    state, entering = zip(
+        *(
+            prefix_over_chunks(start, per_chunk(summary), chunk_gates)
+            for start, summary in zip(state, summaries)
+        )
+    )
+    state = tuple(state)
+    entering = [ops.reshape(x, (-1,) + tuple(x.shape[3:])) for x in entering]
+    numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
+    denominator = None
+    if use_normalizer:
+        denominator = ops.sum(scores, axis=-1) + ops.einsum(
+            "xcd,xd->xc", query, entering[1]
+        )
+    if readout is not None:
+        outputs = readout(numerator, denominator)
+        return _from_chunks(outputs, batch, length, heads, chunk), state
+    if not use_normalizer:
+        outputs = _from_chunks(numerator, batch, length, heads, chunk)
+        return (outputs, None), state
+    # Rearranged together: a tensor of one feature would make PyTorch's
+    # export specialize the length.
+    outputs = ops.concatenate(
+        [numerator, ops.expand_dims(denominator, -1)], axis=-1
+    )
+    outputs = _from_chunks(outputs, batch, length, heads, chunk)
+    return (outputs[..., :-1], outputs[..., -1]), state
+
+
+def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
+    """Decay inside chunks: each score by the gates between its key and
+    query, the entering state up to each query, and each key up to the end
+    of its chunk; also returns the gate of each chunk."""
+    # (batch * kv_heads * chunks, chunk), in the order of the rows.
+    heads, group = log_gates.shape[2], scores.shape[1]
+    gates = _append_zeros(log_gates, _padding(length, chunk))
+    gates = ops.reshape(ops.transpose(gates, (0, 2, 1)), (-1, chunk))
+    scores = scores * ops.expand_dims(decay_matrix(gates), 1)
+    elapsed = _cumsum(gates, -1)
+    query = query * ops.expand_dims(ops.tile(ops.exp(elapsed), (1, group)), -1)
+    key = key * ops.expand_dims(ops.exp(elapsed[:, -1:] - elapsed), -1)
+    return scores, query, key, ops.reshape(elapsed[:, -1], (batch, heads, -1))
+
+
+def prefix_over_chunks(initial, summaries, chunk_gates=None):
+    """The state entering each chunk: `initial` plus the earlier chunks'
+    summaries, decayed by the log-gates of the chunks in between.
+
+    `summaries`: `(batch, heads, chunks, ...)`, each decayed to its chunk's
+    end; `initial`: `(batch, heads, ...)`; `chunk_gates`: the log-gate of
+    each chunk, `(batch, heads, chunks)`, or `None`. Returns the state
+    after the last chunk and the states entering each chunk.
+
+    Two levels and no loop: inside blocks of `_PREFIX_BLOCK` chunks, and
+    across blocks, a product with a lower-triangular `decay_matrix`. A
+    product with zeros is not causal for inf or nan summaries, which only
+    unmasked non-finite inputs give.
+    """
+    shape = ops.shape(summaries)
+    rows, chunks = shape[0] * shape[1], shape[2]
+    summaries = ops.reshape(summaries, (rows, chunks, -1))
+    features = ops.shape(summaries)[-1]
+    if chunk_gates is None:
+        gates = ops.zeros((rows, chunks), summaries.dtype)
+    else:
+        gates = ops.reshape(chunk_gates, (rows, chunks))
+    # Whole blocks; the number of chunks is a tensor for unknown lengths.
+    block = _PREFIX_BLOCK
+    if isinstance(chunks, int):
+        block = min(block, chunks)
+    padding = _padding(chunks, block)
+    summaries = _append_zeros(summaries, padding)
+    summaries = ops.reshape(summaries, (rows, -1, block, features))
+    # The blocks as one batch axis: PyTorch's `einsum` runs one batched
+    # product (`ops.matmul` demotes float64 to float32 on PyTorch).
+    blocks = ops.reshape(summaries, (-1, block, features))
+    gates = ops.reshape(_append_zeros(gates, padding), (-1, block))
+    within, block_totals, before = _within_blocks(blocks, gates)
+    within = ops.reshape(within, ops.shape(summaries))
+    block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
+    # Across blocks: the state after each block (the first row is the
+    # initial state).
+    totals = ops.concatenate(
+        [
+            ops.reshape(initial, (rows, 1, features)),
+            ops.reshape(block_totals, (rows, -1, features)),
+        ],
+        axis=1,
+    )
+    across = decay_matrix(
+        ops.concatenate([ops.zeros_like(block_gates[:, :1]), block_gates], 1)
+    )
+    totals = ops.einsum("xij,xjf->xif", across, totals)
+    # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
+    # slice in the wrong place.
+    entering = within + ops.expand_dims(
+        ops.reshape(before, ops.shape(summaries)[:3]), -1
+    ) * ops.expand_dims(totals[:, :-1], 2)
+    entering = ops.reshape(entering, (rows, -1, features))
+    if not isinstance(padding, int) or padding:
+        entering = entering[:, :chunks]
+    return (
+        ops.reshape(totals[:, -1], ops.shape(initial)),
+        ops.reshape(entering, shape),
+    )
+
+
+def _within_blocks(blocks, gates):
+    """For `(n, block, f)` summaries and `(n, block)` gates: the sum of the
+    earlier chunks of the block entering each chunk, the block's total at
+    its end, and the decay from the block's start to each chunk."""
+    decay = decay_matrix(gates)
+    # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
+    strictly_lower = ops.concatenate(
+        [ops.zeros_like(decay[:, :1]), decay[:, :-1]], axis=1
+    )
+    within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
+    totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
+    return within, totals, ops.exp(_cumsum(gates, -1) - gates)
+
+
+def decay_matrix(log_gates):
+    """`exp(sum of log_gates over steps j + 1 to i)` for `i >= j`, zero
+    above the diagonal: `(..., n)` -> `(..., n, n)`.
+
+    Each entry sums its own steps (a masked cumulative sum), never a
+    difference of long prefix sums, whose rounding grows with the length.
+    """
+    gates = ops.expand_dims(log_gates, -1) + ops.zeros_like(
+        ops.expand_dims(log_gates, -2)
+    )
+    return ops.tril(ops.exp(_cumsum(ops.tril(gates, -1), -2)))
+
+
+def window_softmax(scores, allowed):
+    """The local window's softmax weights, unnormalized, and their
+    stabilizer: at least 0, so that a window of low scores cannot scale
+    the far part up."""
+    scores = ops.where(allowed, scores, -math.inf)
+    maximum = ops.relu(ops.max(scores, axis=-1))
+    return ops.exp(scores - ops.expand_dims(maximum, -1)), maximum
+
+
+def local_window(
+    query,
+    query_features,
+    far_bias,
+    keys,
+    values,
+    valids,
+    key_features,
+    far_state,
+    readout,
+    window,
+    log_gates=None,
+    causal_mode=True,
+    recurrent_mode=False,
+    chunk=64,
+):
+    """Softmax over the closest `window` steps, linear beyond them, under
+    one normalizer; returns the read outputs and the state after the last
+    step (far state, then the last `window` keys, values and valids).
+
+    `query`: `(batch, time, heads, key_dim)`, already divided by
+    `sqrt(key_dim)`; `query_features` and `far_bias` (the far part's
+    log-weight per query) for the far part. `keys` and `values`
+    `(batch, kv_heads, window + time, ...)`, `valids` `(batch, window +
+    time)` and `log_gates` `(batch, window + time, kv_heads)` or `None`:
+    the `window` steps before the inputs, then the inputs.
+    `key_features(keys, positions)`: features of `(batch, time, kv_heads,
+    key_dim)` keys at the given positions. The far part is the plain
+    algorithm on the keys `window` steps back (non-causal: also on the
+    reversed sequence).
+    """
+    # Positions of the steps, as a sum rather than a range of a traced
+    # length (which jax2onnx cannot convert).
+    positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1 - window
+    gates = None if log_gates is None else log_gates[:, window:]
+    far_keys, far_values = _delayed(
+        keys, values, valids, log_gates, key_features, positions, window
+    )
+    if recurrent_mode:
+        step_inputs = (query, query_features, far_bias)
+        step_inputs += tuple(
+            _heads_first(x[:, :, window:]) for x in (keys, values)
+        )
+        step_inputs += (valids[:, window:], far_keys, far_values)
+        step_inputs += () if gates is None else (gates,)
+        state = (
+            tuple(far_state) + _split_window(keys, values, valids, window)[0]
+        )
+        step = functools.partial(_local_window_step, readout=readout)
+        return recurrent(step, state, step_inputs)
+    span = window if causal_mode else 2 * window - 1
+    numerator, denominator, maximum = _window_chunkwise(
+        query, keys, values, valids, window, span, chunk
+    )
+    query_features = query_features * ops.expand_dims(
+        ops.exp(far_bias - maximum), -1
+    )
+    far, far_state = chunkwise(
+        query_features, far_keys, far_values, far_state, gates, None, chunk
+    )
+    if not causal_mode:
+        after = _far_after(
+            query_features, keys, values, valids, key_features, window, chunk
+        )
+        far = (far[0] + after[0], far[1] + after[1])
+    outputs = readout(numerator + far[0], denominator + far[1])
+    return outputs, tuple(far_state) + _split_window(
+        keys, values, valids, window
+    )[1]
+
+
+def _split_window(keys, values, valids, window):
+    """The first `window` steps of keys, values and valids (the carried
+    window) and the last `window` (the window to carry on)."""
+    first = (keys[:, :, :window], values[:, :, :window], valids[:, :window])
+    last = (keys[:, :, -window:], values[:, :, -window:], valids[:, -window:])
+    return first, last
+
+
+def _far_after(
+    query_features, keys, values, valids, key_features, window, chunk
+):
+    """The far part of non-causal queries: the keys at least `window`
+    steps after each query, as the causal far part of the reversed
+    sequence (whose positions count down)."""
+
+    def reverse(x, axis):
+        head = (slice(None),) * axis
+        return ops.concatenate(
+            [
+                x[head + (slice(None, window),)],
+                ops.flip(x[head + (slice(window, None),)], axis=axis),
+            ],
+            axis=axis,
+        )
+
+    positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
+    far_keys, far_values = _delayed(
+        reverse(keys, 2),
+        reverse(values, 2),
+        reverse(valids, 1),
+        None,
+        key_features,
+        ops.flip(positions, 0) + window,
+        window,
+    )
+    heads, features = far_keys.shape[2], far_keys.shape[3]
+    batch = ops.shape(far_keys)[0]
+    state = (
+        ops.zeros(
+            (batch, heads, features, far_values.shape[3]), far_keys.dtype
+        ),
+        ops.zeros((batch, heads, features), far_keys.dtype),
+    )
+    (numerator, denominator), _ = chunkwise(
+        ops.flip(query_features, axis=1),
+        far_keys,
+        far_values,
+        state,
+        None,
+        None,
+        chunk,
+    )
+    return ops.flip(numerator, axis=1), ops.flip(denominator, axis=1)
+
+
+def _delayed(keys, values, valids, log_gates, key_features, positions, window):
+    """The feature-mapped keys and the values `window` steps back,
+    `(batch, time, kv_heads, ...)`: zero where masked, decayed by the
+    gates since they arrived, as in the state of the plain layer."""
+    length = ops.shape(valids)[1] - window
+    keys, values = (_heads_first(x[:, :, :length]) for x in (keys, values))
+    features = key_features(keys, positions)
+    weights = ops.expand_dims(valids[:, :length], (2, 3))
+    if log_gates is not None:
+        later = _window_sums(log_gates, window)[:, :length]
+        weights = weights * ops.expand_dims(ops.exp(later), -1)
+    return features * weights, values
+
+
+def _window_sums(log_gates, window):
+    """The sum of the gates over steps `t + 1` to `t + window`, for each
+    step `t`, from cumulative sums inside blocks of `window` steps, whose
+    rounding does not grow with the length."""
+    shape = ops.shape(log_gates)
+    gates = _append_zeros(log_gates, _padding(shape[1], window))
+    gates = ops.reshape(gates, (shape[0], -1, window, shape[2]))
+    total = _cumsum(gates, 2)
+    sums = total[:, :-1, -1:] - total[:, :-1] + total[:, 1:]
+    return ops.reshape(sums, (shape[0], -1, shape[2]))
+
+
+def _local_window_step(state, inputs, readout):
+    """One step of `local_window`, with the window as a ring buffer."""
+    far_state, window_state = state[:-3], state[-3:]
+    query, query_features, far_bias, key, value, valid = inputs[:6]
+
+    def push(window, x):
+        """Drops the oldest step of `window` and appends `x`."""
+        if len(window.shape) == 2:
+            return ops.concatenate(
+                [window[:, 1:], ops.expand_dims(x, 1)], axis=1
+            )
+        return ops.concatenate(
+            [window[:, :, 1:], ops.expand_dims(x, 2)], axis=2
+        )
+
+    keys, values, valids = (
+        push(w, x) for w, x in zip(window_state, (key, value, valid))
+    )
+    scores = ops.einsum(
+        "bkgd,bkwd->bkgw", _split_heads(query, keys.shape[1]), keys
+    )
+    weights, maximum = window_softmax(
+        scores, ops.expand_dims(valids, (1, 2)) > 0
+    )
+    numerator = ops.einsum("bkgw,bkwe->bkge", weights, values)
+    denominator = ops.sum(weights, axis=-1)
+    far_weight = ops.exp(
+        far_bias - _merge_heads(ops.expand_dims(maximum, -1))[..., 0]
+    )
+    far_state, far_numerator, far_denominator = linear_step(
+        far_state, query_features * ops.expand_dims(far_weight, -1), *inputs[6:]
+    )
+    outputs = readout(numerator + far_numerator, denominator + far_denominator)
+    return far_state + (keys, values, valids), _merge_heads(outputs)
+
+
+def _window_chunkwise(query, keys, values, valids, window, span, chunk):
+    """The window part of `local_window`, chunk by chunk.
+
+    Step `t` of `query` attends to steps `t + 1` to `t + span` of `keys`
+    and `values`, `(batch, kv_heads, steps, ...)`, and `valids`, `(batch,
+    steps)`, which begin `window` steps before `query`. Returns the
+    numerators, denominators and softmax stabilizers, `(batch, time,
+    heads, ...)`.
+    """
+    batch, length = ops.shape(query)[:2]
+    heads, group = keys.shape[1], query.shape[2] // keys.shape[1]
+    # Each query chunk reads this many key chunks, from its own on.
+    blocks = (chunk - 1 + span) // chunk + 1
+    padding = _padding(length, chunk) + ((blocks - 1) * chunk - window)
+
+    def to_blocks(x):
+        """`(n, w + t, ...)` -> `(n, chunks, blocks * c, ...)`."""
+        x = _append_zeros(x, padding)
+        shape = ops.shape(x)
+        x = ops.reshape(x, (shape[0], -1, chunk) + tuple(shape[2:]))
+        return ops.concatenate(
+            [x[:, i : i + 1 - blocks or None] for i in range(blocks)], axis=2
+        )
+
+    def to_row_blocks(x):
+        """`(b, kv heads, w + t, f)` -> `(b * kv heads * chunks, s, f)`,
+        ordered as the query chunks."""
+        features = ops.shape(x)[-1]
+        x = to_blocks(ops.reshape(x, (-1,) + tuple(ops.shape(x)[2:])))
+        return ops.reshape(x, (-1, blocks * chunk, features))
+
+    query = _to_chunks(query, heads, chunk)
+    scores = ops.einsum("xcd,xsd->xcs", query, to_row_blocks(keys))
+    scores = ops.reshape(
+        scores, (batch, heads, -1, group, chunk, blocks * chunk)
+    )
+    # Query c of a chunk and key s of its blocks are steps c and
+    # s - window of the chunk.
+    offset = ops.expand_dims(ops.arange(blocks * chunk), 0) - ops.expand_dims(
+        ops.arange(chunk), 1
+    )
+    band = ops.logical_and(offset > 0, offset <= span)
+    allowed = ops.logical_and(
+        band, ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
+    )
+    weights, maximum = window_softmax(scores, allowed)
+    weights = ops.reshape(weights, (-1, group * chunk, blocks * chunk))
+    numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
+    denominator = ops.sum(weights, axis=-1, keepdims=True)
+    maximum = ops.reshape(maximum, (-1, group * chunk, 1))
+    # Rearranged together, as in `chunkwise`.
+    outputs = _from_chunks(
+        ops.concatenate([numerator, denominator, maximum], axis=-1),
+        batch,
+        length,
+        heads,
+        chunk,
+    )
+    return outputs[..., :-2], outputs[..., -2], outputs[..., -1]
+
+
+def _heads_first(x):
+    """`(b, t, heads, f)` <-> `(b, heads, t, f)`."""
+    return ops.transpose(x, (0, 2, 1, 3))
+
+
+def _split_heads(x, kv_heads):
+    """`(..., heads, f)` -> `(..., kv_heads, group, f)`."""
+    shape = ops.shape(x)
+    group = x.shape[-2] // kv_heads
+    return ops.reshape(x, tuple(shape[:-2]) + (kv_heads, group, shape[-1]))
+
+
+def _merge_heads(x):
+    """`(..., kv_heads, group, f)` -> `(..., heads, f)`."""
+    shape = ops.shape(x)
+    return ops.reshape(
+        x, tuple(shape[:-3]) + (x.shape[-3] * x.shape[-2], shape[-1])
+    )
+
+
+def _to_chunks(x, kv_heads, chunk):
+    """`(b, t, heads, f)` -> `(b * kv_heads * chunks, group * c, f)`.
+
+    Zero steps pad `x` to whole chunks. Each row block is one chunk of
+    one key/value head, with the query heads that share it stacked along
+    the rows, so that every product is one batched matrix product.
+    """
+    group = x.shape[2] // kv_heads
+    x = _append_zeros(x, _padding(ops.shape(x)[1], chunk))
+    shape = ops.shape(x)
+    x = ops.reshape(x, (shape[0], -1, chunk, kv_heads, group, shape[-1]))
+    x = ops.transpose(x, (0, 3, 1, 4, 2, 5))
+    return ops.reshape(x, (-1, group * chunk, shape[-1]))
+
+
+def _from_chunks(x, batch, length, kv_heads, chunk):
+    """`(b * kv_heads * chunks, group * c, f)` -> `(b, t, heads, f)`."""
+    features = ops.shape(x)[-1]
+    group = x.shape[1] // chunk
+    x = ops.reshape(x, (batch, kv_heads, -1, group, chunk, features))
+    x = ops.transpose(x, (0, 2, 4, 1, 3, 5))
+    x = ops.reshape(x, (batch, -1, kv_heads * group, features))
+    padding = _padding(length, chunk)
+    if not isinstance(padding, int) or padding:
+        x = x[:, :length]
+    return x
+
+
+def _padding(size, multiple):
+    """How many entries make `size` a multiple of `multiple`.
+
+    Written as `multiple * ceil(size / multiple) - size` so that a padded
+    symbolic size (`jax.export` with an unknown length) is visibly a
+    multiple, which the reshapes into chunks need; the ceiling divides
+    non-negative numbers only, since OpenVINO's integer `//` truncates.
+    """
+    padding = multiple * ((size + multiple - 1) // multiple) - size
+    if backend.backend() == "torch" and not isinstance(size, int):
+        # PyTorch specializes symbolic sizes of 0 or 1 while tracing; one
+        # more whole multiple keeps every derived size above 1.
+        padding = padding + multiple
+    return padding
+
+
+def _append_zeros(x, count):
+    """`x` with `count` zero entries appended along axis 1.
+
+    Not `ops.pad`, which names a new `Operation` on every call: a global
+    counter on which `torch.compile` guards, compiling again each call.
+    """
+    if isinstance(count, int) and not count:
+        return x
+    shape = ops.shape(x)
+    zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
+    return ops.concatenate([x, zeros], axis=1)
+
+
+def _cumsum(x, axis):
+    if backend.backend() == "torch":
+        # Workaround: `ops.cumsum` demotes float64 to float32 on PyTorch.
+        # TODO: use `ops.cumsum` once upstream keeps float64 there.
+        import torch
+
+        return torch.cumsum(x, dim=axis)
+    return ops.cumsum(x, axis=axis)
+
+
+def _scan(step, initial_state, sequences):
+    """`ops.scan` over tuples of a known length, with per-step outputs
+    unlike the carry.
+
+    Workaround: TensorFlow's `ops.scan` shapes its per-step outputs like
+    the carry and sets no `maximum_iterations`, which XLA needs to
+    differentiate the loop; TensorFlow runs its own `while_loop` here.
+    """
+    if backend.backend() != "tensorflow":
+        return ops.scan(step, initial_state, sequences)
+
+    import tensorflow as tf
+
+    sequences = tree.flatten(sequences)
+    steps = sequences[0].shape[0]
+    inputs = [tf.TensorArray(x.dtype, size=steps).unstack(x) for x in sequences]
+    outputs = tf.TensorArray(sequences[0].dtype, size=steps)
+
+    def body(t, state, outputs):
+        state, output = step(state, tuple(x.read(t) for x in inputs))
+        return t + 1, tuple(state), outputs.write(t, output)
+
+    _, state, outputs = tf.while_loop(
+        lambda t, *_: t < steps,
+        body,
+        (tf.constant(0), tuple(initial_state), outputs),
+        maximum_iterations=steps,
+    )
+    return state, outputs.stack()

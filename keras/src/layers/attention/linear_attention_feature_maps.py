@@ -1,0 +1,564 @@
+"""The feature maps `phi` of `LinearAttention`, one class each: a new map
+is one class here and an entry in `FEATURE_MAPS`."""
+
+import inspect
+import math
+import warnings
+
+import numpy as np
+
+from keras.src import backend
+from keras.src import constraints
+from keras.src import ops
+from keras.src import regularizers
+from keras.src import utils
+from keras.src.layers.layer import Layer
+from keras.src.saving import serialization_lib
+
+# Cap on the exponents of FAVOR+ features, so that float32 sums of
+# `exp(60)`-sized features over many steps cannot overflow.
+_FAVOR_MAX_EXPONENT = 60.0
+# Added to |x|^2 where `RandomFourier` divides x by its norm, so that a
+# zero query or key has finite gradients.
+_UNIT_EPSILON = 1e-12
+# Above this `key_dim`, `Taylor`'s `1 + d (d + 3) / 2` features make the
+# state and the products large, so the map warns.
+_TAYLOR_MAX_KEY_DIM = 32
+
+
+class FeatureMap(Layer):
+    """Base class of the feature maps of `LinearAttention`.
+
+    A map computes `features()` and creates any weights in `build()`, for
+    the `(batch, time, num_key_value_heads, key_dim)` keys.
+
+    Args:
+        key_dim: Size of the queries and keys the map takes.
+        num_features: Number of features, for the maps that take it.
+        seed: Optional seed of the map's random features.
+        epsilon: Added to features that can be zero (`"relu"`).
+        kernel_regularizer: Regularizer of a learned map's kernel.
+        kernel_constraint: Constraint of a learned map's kernel.
+    """
+
+    # Whether a step's features depend only on that step, so that a
+    # causal layer can carry its state across calls.
+    streams = True
+    # Whether every feature is non-negative; otherwise the layer clamps the
+    # normalizer at zero.
+    non_negative = True
+
+    def __init__(
+        self,
+        key_dim,
+        num_features=None,
+        seed=None,
+        epsilon=1e-6,
+        kernel_regularizer=None,
+        kernel_constraint=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.key_dim = key_dim
+        self.num_features = self._check_num_features(num_features)
+        self.seed = seed
+        self.epsilon = epsilon
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+
+    def _check_num_features(self, num_features):
+        if num_features is not None:
+            raise ValueError(
+                "`num_features` only applies to feature_map='favor_plus', "
+                "'hedgehog' or 'random_fourier'; 'taylor' has "
+                "`1 + key_dim * (key_dim + 3) / 2` features, 'cosformer' "
+                "`2 * key_dim` and the other feature maps `key_dim`. "
+                f"Received: num_features={num_features!r} with "
+                f"feature_map={self.map_name!r}"
+            )
+        return None
+
+    @property
+    def map_name(self):
+        return _NAMES.get(type(self), type(self).__name__)
+
+    @property
+    def size(self):
+        """The number of features of each head."""
+        return self.key_dim
+
+    def build(self, input_shape):
+        """`input_shape`: `(batch, time, num_key_value_heads, key_dim)`."""
+        self.heads = input_shape[2]
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys.
+
+        `positions`: the `(time,)` indices of the steps in the call and
+        `length`: the call's length, for maps that weigh by position.
+        With `stabilize`, a map may divide each token's features by a
+        factor; returns the features and the factor's log, `(batch, time,
+        heads)`, or `None`.
+        """
+        raise NotImplementedError
+
+    def call(self, x):
+        return self.features(x)[0]
+
+    def _per_head(self, weight, x):
+        """`weight`, one row per key/value head, for the heads of `x`."""
+        weight = ops.cast(weight, x.dtype)
+        return ops.repeat(weight, x.shape[2] // self.heads, axis=0)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "key_dim": self.key_dim,
+            "num_features": self.num_features,
+            "seed": self.seed,
+            "epsilon": self.epsilon,
+            "kernel_regularizer": regularizers.serialize(
+                self.kernel_regularizer
+            ),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+        }
+
+
+class EluPlusOne(FeatureMap):
+    """`elu(x) + 1` (Katharopoulos et al., 2020)."""
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
+        # far below zero, where `expm1(x) + 1` rounds to 0.
+        positive = ops.relu(x)
+        return ops.exp(x - positive) + positive, None
+
+
+class ReLU(FeatureMap):
+    """`relu(x) + epsilon`."""
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        return ops.relu(x) + self.epsilon, None
+
+
+class CosFormer(ReLU):
+    """cosFormer (Qin et al., 2022): `"relu"` features reweighted by
+    `cos(pi / 2 * (i - j) / M)` for query `i` and key `j` of a call of
+    length `M`, as `[phi cos(pi i / 2M), phi sin(pi i / 2M)]`."""
+
+    # The weights depend on the call's length.
+    streams = False
+
+    @property
+    def size(self):
+        return 2 * self.key_dim
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        if positions is None:
+            length = ops.shape(x)[1]
+            # Integers, cast: TensorFlow has no float16 range.
+            positions = ops.arange(length)
+        angle = ops.cast(positions, x.dtype) * (
+            0.5 * math.pi / ops.cast(length, x.dtype)
+        )
+        angle = ops.expand_dims(angle, (1, 2))
+        features = super().features(x)[0]
+        sin, cos = _sin_cos(angle)
+        return ops.concatenate([features * cos, features * sin], -1), None
+
+
+class Taylor(FeatureMap):
+    """Based's second-order Taylor map (Arora et al., 2024):
+    `phi(q) . phi(k) = 1 + s + s^2 / 2` for `s = q . k / sqrt(key_dim)`."""
+
+    def __init__(self, key_dim, **kwargs):
+        super().__init__(key_dim, **kwargs)
+        if key_dim > _TAYLOR_MAX_KEY_DIM:
+            warnings.warn(
+                f"feature_map='taylor' with key_dim={key_dim} has "
+                f"{self.size} features per head, growing with the square of "
+                f"`key_dim`; it is meant for a `key_dim` up to "
+                f"{_TAYLOR_MAX_KEY_DIM}: use more heads of a smaller "
+                "`key_dim`, or another feature map.",
+                stacklevel=4,
+            )
+
+    @property
+    def size(self):
+        return 1 + self.key_dim * (self.key_dim + 3) // 2
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        # [1, x / d^(1/4), vec(x x^T) / (2 d)^(1/2)] with the pairs i <= j
+        # of x x^T only (those with i < j scaled by 2^(1/2)).
+        d = self.key_dim
+        rows, columns = np.triu_indices(d)
+        scale = np.where(rows == columns, 0.5**0.5, 1.0) / d**0.5
+        # Row by row, in the order of `np.triu_indices`: slices, not a
+        # gather (OpenVINO cannot convert PyTorch's `take`).
+        pairs = ops.concatenate(
+            [x[..., i : i + 1] * x[..., i:] for i in range(d)], axis=-1
+        )
+        return ops.concatenate(
+            [
+                ops.ones_like(x[..., :1]),
+                x * d**-0.25,
+                pairs * ops.convert_to_tensor(scale, dtype=x.dtype),
+            ],
+            axis=-1,
+        ), None
+
+
+class _SizedFeatureMap(FeatureMap):
+    """A map with `num_features` of its own, `default_ratio * key_dim` by
+    default (an even number for `paired` maps)."""
+
+    default_ratio = 2
+    paired = False
+
+    def _check_num_features(self, num_features):
+        if num_features is None:
+            num_features = self.default_ratio * self.key_dim
+        if (
+            isinstance(num_features, bool)
+            or not isinstance(num_features, (int, np.integer))
+            or num_features <= 0
+        ):
+            raise ValueError(
+                "`num_features` must be a positive integer. Received: "
+                f"num_features={num_features!r}"
+            )
+        if self.paired and num_features % 2:
+            raise ValueError(
+                f"`num_features` must be even for feature_map="
+                f"{self.map_name!r} (the map returns two halves: "
+                "`[W x, -W x]` for 'hedgehog', sines and cosines for "
+                f"'random_fourier'). Received: num_features={num_features}"
+            )
+        return int(num_features)
+
+    @property
+    def size(self):
+        return self.num_features
+
+
+class _RandomFeatureMap(_SizedFeatureMap):
+    """A map of fixed random projections `(key_dim, columns)`, drawn with
+    NumPy so that a seed gives the same features on every backend."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        columns = self.num_features // (2 if self.paired else 1)
+        self.random_features = self.add_weight(
+            name="random_features",
+            shape=(self.key_dim, columns),
+            initializer=lambda shape, dtype=None: ops.convert_to_tensor(
+                orthogonal_random_features(*shape, seed=self.seed), dtype
+            ),
+            trainable=False,
+            autocast=False,
+        )
+
+    def redraw(self, seed=None):
+        """Draws new random features; `seed` as the layer's."""
+        features = orthogonal_random_features(
+            *self.random_features.shape, seed=seed
+        )
+        self.random_features.assign(
+            ops.cast(features, self.random_features.dtype)
+        )
+
+
+class FavorPlus(_RandomFeatureMap):
+    """Performer's positive random features (Choromanski et al., 2021):
+    `phi(q) . phi(k)` estimates `exp(q . k / sqrt(key_dim))`."""
+
+    default_ratio = 4
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        # exp(w . x - |x|^2 / 2) / sqrt(m) of x / key_dim**0.25.
+        x = x * self.key_dim**-0.25
+        features = ops.cast(self.random_features, x.dtype)
+        exponent = ops.einsum("bthd,dm->bthm", x, features)
+        exponent = exponent - 0.5 * ops.sum(
+            ops.square(x), axis=-1, keepdims=True
+        )
+        log_scale = None
+        if stabilize and 0 not in x.shape:
+            # Per token, so that chunked runs agree; `max` of an empty
+            # tensor fails on some backends.
+            log_scale = ops.max(exponent, axis=-1, keepdims=True)
+            exponent = exponent - log_scale
+            log_scale = ops.squeeze(log_scale, -1)
+        # min(exponent, cap) per element, never by a statistic over the
+        # sequence, which would break chunked runs.
+        exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
+        return ops.exp(exponent) * self.num_features**-0.5, log_scale
+
+
+class RandomFourier(_RandomFeatureMap):
+    """Random Feature Attention (Peng et al., 2021): sines and cosines of
+    the unit-norm input, estimating a Gaussian kernel of a learned
+    bandwidth per key/value head. Its features can be negative."""
+
+    paired = True
+    non_negative = False
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.log_bandwidth = self.add_weight(
+            name="log_bandwidth",
+            shape=(self.heads,),
+            initializer="zeros",
+            autocast=False,
+        )
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        x = x / ops.sqrt(
+            ops.sum(ops.square(x), axis=-1, keepdims=True) + _UNIT_EPSILON
+        )
+        bandwidth = ops.exp(self._per_head(self.log_bandwidth, x))
+        features = ops.cast(self.random_features, x.dtype)
+        x = ops.einsum("bthd,dm->bthm", x, features) / ops.expand_dims(
+            bandwidth, 1
+        )
+        features = ops.concatenate(_sin_cos(x), axis=-1)
+        return features * (self.num_features // 2) ** -0.5, None
+
+
+class Hedgehog(_SizedFeatureMap):
+    """Hedgehog (Zhang et al., 2024): `softmax([W x, -W x])` with a learned
+    `W` per key/value head, starting from the identity."""
+
+    paired = True
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        constraint = self.kernel_constraint
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(self.heads, self.key_dim, self.num_features // 2),
+            initializer=_identity_per_head,
+            regularizer=self.kernel_regularizer,
+            constraint=None if constraint is None else _PerHead(constraint),
+            autocast=False,
+        )
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        x = ops.einsum("bthd,hdf->bthf", x, self._per_head(self.kernel, x))
+        return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1), None
+
+
+class _Function(FeatureMap):
+    """A registered callable or `Layer` as a feature map.
+
+    With `same_size` (causal layers, whose state has `key_dim` features),
+    it must keep its input's shape; otherwise any number of features.
+    """
+
+    def __init__(self, key_dim, function, same_size=True, **kwargs):
+        super().__init__(key_dim, **kwargs)
+        self.function = function
+        self.same_size = same_size
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if isinstance(self.function, Layer) and not self.function.built:
+            # Built with the layer so that its weights exist and load with
+            # it; with unknown batch and length, which a symbolic call on
+            # PyTorch would replace by placeholder sizes.
+            shape = (None, None) + tuple(input_shape[2:])
+            if not utils.is_default(self.function.build):
+                self.function.build(shape)
+            backend.compute_output_spec(
+                self.function, backend.KerasTensor(shape, self.compute_dtype)
+            )
+
+    def features(self, x, positions=None, length=None, stabilize=False):
+        features = self.function(x)
+        self._check(features, x)
+        # A `Layer` map computes in its own dtype policy.
+        return ops.cast(features, x.dtype), None
+
+    def _check(self, features, x):
+        """Refuses features that the products or the state cannot take,
+        where both sizes are known (not `None` or symbolic)."""
+        shape = getattr(features, "shape", None)
+        compared = x.shape if self.same_size else x.shape[:-1]
+        if shape is not None and len(shape) == len(x.shape):
+            if not any(
+                isinstance(a, int) and isinstance(b, int) and a != b
+                for a, b in zip(shape, compared)
+            ):
+                return
+        expected = f"its input's shape, {tuple(x.shape)}"
+        if not self.same_size:
+            expected = (
+                f"its input's batch size, length and heads, "
+                f"{tuple(compared)}, and any number of features"
+            )
+        received = type(features).__name__ if shape is None else tuple(shape)
+        raise ValueError(
+            f"`feature_map` must return a tensor with {expected}. Received: "
+            f"{received} from feature_map={self.function!r}"
+        )
+
+
+FEATURE_MAPS = {
+    "elu_plus_one": EluPlusOne,
+    "relu": ReLU,
+    "favor_plus": FavorPlus,
+    "hedgehog": Hedgehog,
+    "random_fourier": RandomFourier,
+    "taylor": Taylor,
+    "cosformer": CosFormer,
+}
+_NAMES = {cls: name for name, cls in FEATURE_MAPS.items()}
+
+
+def get(identifier, key_dim, same_size=True, **options):
+    """The feature map for a `feature_map` argument: a name from
+    `FEATURE_MAPS`, or a registered callable or `Layer` (wrapped)."""
+    if isinstance(identifier, FeatureMap):
+        if identifier.key_dim != key_dim:
+            raise ValueError(
+                "`feature_map` must be built for the layer's `key_dim`. "
+                f"Received: feature_map={identifier!r} with key_dim="
+                f"{identifier.key_dim}, key_dim={key_dim}"
+            )
+        return identifier
+    if isinstance(identifier, str):
+        if identifier not in FEATURE_MAPS:
+            raise ValueError(
+                "`feature_map` must be one of "
+                f"{', '.join(repr(name) for name in FEATURE_MAPS)}, or a "
+                "callable registered with "
+                "`keras.saving.register_keras_serializable()`. "
+                f"Received: feature_map={identifier!r}"
+            )
+        return FEATURE_MAPS[identifier](key_dim, name="feature_map", **options)
+    if not callable(identifier):
+        raise ValueError(
+            "`feature_map` must be a string or a callable. Received: "
+            f"feature_map={identifier!r} of type {type(identifier).__name__}"
+        )
+    if inspect.isclass(identifier):
+        # Callable, but calling it makes an instance, not features.
+        raise ValueError(
+            "`feature_map` must be a feature map, not a class: pass an "
+            f"instance (such as `{identifier.__name__}()`). Received: "
+            f"feature_map={identifier!r}"
+        )
+    if options.get("num_features") is not None:
+        raise ValueError(
+            "`num_features` only applies to feature_map='favor_plus', "
+            "'hedgehog' or 'random_fourier'. Received: "
+            f"num_features={options['num_features']!r} with "
+            f"feature_map={identifier!r}"
+        )
+    return _Function(
+        key_dim,
+        identifier,
+        same_size=same_size,
+        name="feature_map",
+        dtype=options.get("dtype"),
+    )
+
+
+def serialize(feature_map):
+    """`feature_map` for a config: a name as it is, a callable serialized
+    if it would load back (and a `ValueError` if not)."""
+    if isinstance(feature_map, str):
+        return feature_map
+    error = loading_error(feature_map)
+    if error is not None:
+        raise ValueError(
+            "Cannot serialize `LinearAttention`: its `feature_map` "
+            "callable would not load back. Register it with "
+            "`@keras.saving.register_keras_serializable()` so that "
+            "it can be saved and loaded (a callable object also "
+            "needs `get_config()` and `from_config()`). Received: "
+            f"feature_map={feature_map!r} ({error})"
+        )
+    return serialization_lib.serialize_keras_object(feature_map)
+
+
+def loading_error(function):
+    """Why a `feature_map` callable would not save and load, or `None`.
+
+    A function must load as itself: it does for registered functions and
+    for Keras's own (such as `keras.activations.softplus`, saved by name).
+    A `Layer` or other callable object must load as an object of its
+    class: it does for registered classes and Keras's layers (and for
+    others inside a `keras.saving.custom_object_scope`).
+    """
+    try:
+        config = serialization_lib.serialize_keras_object(function)
+        if isinstance(config, dict):
+            # Loaded unbuilt: the class and its config are what matter.
+            config.pop("build_config", None)
+            config.pop("compile_config", None)
+        loaded = serialization_lib.deserialize_keras_object(config)
+    except Exception as error:
+        # Its first sentence (Keras's go on with the whole config).
+        return f"{type(error).__name__}: {str(error).split('. ')[0]}"
+    if inspect.isfunction(function) or inspect.isbuiltin(function):
+        if loaded is not function:
+            return f"it would load as {loaded!r}"
+    elif type(loaded) is not type(function):
+        return f"it would load as {type(loaded).__name__}"
+    return None
+
+
+def orthogonal_random_features(key_dim, num_features, seed):
+    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy.
+
+    Blocks of `key_dim` orthonormal directions (QR of a Gaussian matrix,
+    with the signs that make it uniformly distributed), scaled by the norms
+    of Gaussian vectors so that each column is marginally Gaussian
+    (Choromanski et al., 2021).
+    """
+    if seed is None:
+        # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
+        seed = np.random.randint(2**31 - 1)
+    generator = np.random.default_rng(seed)
+    blocks = []
+    for _ in range(math.ceil(num_features / key_dim)):
+        q, r = np.linalg.qr(generator.standard_normal((key_dim, key_dim)))
+        blocks.append(q * np.where(np.diag(r) < 0, -1.0, 1.0))
+    directions = np.concatenate(blocks, axis=1)[:, :num_features]
+    norms = np.linalg.norm(
+        generator.standard_normal((num_features, key_dim)), axis=1
+    )
+    return directions * norms
+
+
+def _sin_cos(x):
+    if backend.backend() == "jax":
+        # Workaround: JAX's `ops.sin` and `ops.cos` return float32 for
+        # float64 inputs.
+        # TODO: use `ops.sin` and `ops.cos` once upstream keeps float64.
+        import jax.numpy as jnp
+
+        return jnp.sin(x), jnp.cos(x)
+    return ops.sin(x), ops.cos(x)
+
+
+class _PerHead(constraints.Constraint):
+    """A dense-kernel constraint on `(heads, key_dim, features)` kernels,
+    applied to each head's kernel (input axis first), not across heads."""
+
+    def __init__(self, constraint):
+        self.constraint = constraint
+
+    def __call__(self, w):
+        w = ops.transpose(w, (1, 0, 2))
+        return ops.transpose(self.constraint(w), (1, 0, 2))
+
+
+def _identity_per_head(shape, dtype=None):
+    """Identity matrices `(key_dim, size)`, one per head: Hedgehog's start,
+    `softmax([x, -x])`, where every feature of `x` counts in both signs."""
+    heads, rows, columns = shape
+    return ops.tile(
+        ops.expand_dims(ops.eye(rows, columns, dtype=dtype), 0), (heads, 1, 1)
+    )
