@@ -200,22 +200,19 @@ class LinearAttention(Layer):
         self.num_heads, self.key_dim = int(num_heads), int(key_dim)
         self.value_dim = int(value_dim or key_dim)
         self.num_key_value_heads = int(num_key_value_heads or num_heads)
-        # Private, as in `MultiHeadAttention`: a public `output_shape` is
-        # what `Model.summary()` takes for the shape of the layer's output.
+        # Private, as in `MultiHeadAttention` (`Model.summary()` reads it).
         self._output_shape = _check_output_shape(output_shape)
         self.use_normalizer = bool(use_normalizer)
         self.normalization_epsilon = float(normalization_epsilon)
         self.causal, self.use_bias = bool(causal), bool(use_bias)
-        self.dropout = float(dropout)
-        self.execution_mode = execution_mode
+        self.dropout, self.execution_mode = float(dropout), execution_mode
         self.kernel_initializer = initializers.get(
             kernel_initializer or "glorot_uniform"
         )
         self.bias_initializer = initializers.get(bias_initializer or "zeros")
         self.kernel_regularizer = regularizers.get(kernel_regularizer)
         self.bias_regularizer = regularizers.get(bias_regularizer)
-        # Given to the projections, so that the returned state is not
-        # regularized.
+        # Given to the projections: the returned state is not regularized.
         self._activity_regularizer = regularizers.get(activity_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)

@@ -104,12 +104,10 @@ def causal(query, key, value, state, log_gates, readout, recurrent_mode, chunk):
 
 
 def chunkwise(query, key, value, state, log_gates, readout, chunk):
-    """The outputs of `linear_step` over a sequence, chunk by chunk.
-
-    Inside a chunk, a masked `(chunk, chunk)` product; across chunks, the
-    state entering each chunk from `prefix_over_chunks`. With `readout`
-    `None`, returns the numerators and denominators (`None` without the
-    normalizer) instead of the outputs.
+    """The outputs of `linear_step` over a sequence, chunk by chunk: a
+    masked `(chunk, chunk)` product inside each, the entering state from
+    `prefix_over_chunks`. Without `readout`, the numerators and
+    denominators (`None` without the normalizer) instead of the outputs.
     """
     batch, length = ops.shape(query)[:2]
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
@@ -153,12 +151,12 @@ def chunkwise(query, key, value, state, log_gates, readout, chunk):
         denominator = ops.sum(scores, axis=-1) + ops.einsum(
             "xcd,xd->xc", query, entering[1]
         )
-    if readout is not None:
-        outputs = readout(numerator, denominator)
-        return _from_chunks(outputs, batch, length, heads, chunk), state
-    if not use_normalizer:
-        outputs = _from_chunks(numerator, batch, length, heads, chunk)
-        return (outputs, None), state
+    if readout is not None or not use_normalizer:
+        outputs = (
+            numerator if readout is None else readout(numerator, denominator)
+        )
+        outputs = _from_chunks(outputs, batch, length, heads, chunk)
+        return (outputs if readout else (outputs, None)), state
     # Rearranged together: a tensor of one feature would make PyTorch's
     # export specialize the length.
     outputs = ops.concatenate(
@@ -184,18 +182,15 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
 
 
 def prefix_over_chunks(initial, summaries, chunk_gates=None):
-    """The state entering each chunk: `initial` plus the earlier chunks'
-    summaries, decayed by the log-gates of the chunks in between.
-
-    `summaries`: `(batch, heads, chunks, ...)`, each decayed to its chunk's
-    end; `initial`: `(batch, heads, ...)`; `chunk_gates`: the log-gate of
-    each chunk, `(batch, heads, chunks)`, or `None`. Returns the state
-    after the last chunk and the states entering each chunk.
+    """The state entering each chunk, and after the last: `initial` plus
+    the earlier `(batch, heads, chunks, ...)` summaries (each decayed to
+    its chunk's end), decayed by the `(batch, heads, chunks)` log-gates of
+    the chunks in between (or not, for `None`).
 
     Two levels and no loop: inside blocks of `_PREFIX_BLOCK` chunks, and
-    across blocks, a product with a lower-triangular `decay_matrix`. A
-    product with zeros is not causal for inf or nan summaries, which only
-    unmasked non-finite inputs give.
+    across blocks, a product with a lower-triangular `decay_matrix`, which
+    is not causal for inf or nan summaries (only unmasked non-finite
+    inputs give those).
     """
     shape = ops.shape(summaries)
     rows, chunks = shape[0] * shape[1], shape[2]
@@ -298,20 +293,16 @@ def local_window(
     recurrent_mode=False,
     chunk=64,
 ):
-    """Softmax over the closest `window` steps, linear beyond them, under
-    one normalizer; returns the read outputs and the state after the last
-    step (far state, then the last `window` keys, values and valids).
+    """Softmax over the closest `window` steps, the plain algorithm on
+    the keys `window` steps back (non-causal: also on the reversed
+    sequence), under one normalizer; returns the outputs and the state
+    (far state, then the last `window` keys, values and valids).
 
-    `query`: `(batch, time, heads, key_dim)`, already divided by
-    `sqrt(key_dim)`; `query_features` and `far_bias` (the far part's
-    log-weight per query) for the far part. `keys` and `values`
-    `(batch, kv_heads, window + time, ...)`, `valids` `(batch, window +
-    time)` and `log_gates` `(batch, window + time, kv_heads)` or `None`:
-    the `window` steps before the inputs, then the inputs.
-    `key_features(keys, positions)`: features of `(batch, time, kv_heads,
-    key_dim)` keys at the given positions. The far part is the plain
-    algorithm on the keys `window` steps back (non-causal: also on the
-    reversed sequence).
+    `query`: divided by `sqrt(key_dim)`; `far_bias`: the far part's
+    log-weight per query. `keys`, `values` `(batch, kv_heads, window +
+    time, ...)`, `valids` and `log_gates`: the `window` steps before the
+    inputs, then the inputs. `key_features(keys, positions)`: the
+    features of keys at the given positions.
     """
     # Positions of the steps, as a sum rather than a range of a traced
     # length (which jax2onnx cannot convert).
@@ -321,17 +312,10 @@ def local_window(
         keys, values, valids, log_gates, key_features, positions, window
     )
     if recurrent_mode:
-        step_inputs = (query, query_features, far_bias)
-        step_inputs += tuple(
-            _heads_first(x[:, :, window:]) for x in (keys, values)
+        step_inputs = (query, query_features, far_bias, far_keys, far_values)
+        return _local_window_recurrent(
+            step_inputs, keys, values, valids, gates, far_state, readout, window
         )
-        step_inputs += (valids[:, window:], far_keys, far_values)
-        step_inputs += () if gates is None else (gates,)
-        state = (
-            tuple(far_state) + _split_window(keys, values, valids, window)[0]
-        )
-        step = functools.partial(_local_window_step, readout=readout)
-        return recurrent(step, state, step_inputs)
     span = window if causal_mode else 2 * window - 1
     numerator, denominator, maximum = _window_chunkwise(
         query, keys, values, valids, window, span, chunk
@@ -351,6 +335,20 @@ def local_window(
     return outputs, tuple(far_state) + _split_window(
         keys, values, valids, window
     )[1]
+
+
+def _local_window_recurrent(
+    step_inputs, keys, values, valids, gates, far_state, readout, window
+):
+    """`local_window` step by step: the window as a ring buffer."""
+    query, query_features, far_bias, far_keys, far_values = step_inputs
+    step_inputs = (query, query_features, far_bias)
+    step_inputs += tuple(_heads_first(x[:, :, window:]) for x in (keys, values))
+    step_inputs += (valids[:, window:], far_keys, far_values)
+    step_inputs += () if gates is None else (gates,)
+    state = tuple(far_state) + _split_window(keys, values, valids, window)[0]
+    step = functools.partial(_local_window_step, readout=readout)
+    return recurrent(step, state, step_inputs)
 
 
 def _split_window(keys, values, valids, window):
