@@ -196,10 +196,6 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     rows, chunks = shape[0] * shape[1], shape[2]
     summaries = ops.reshape(summaries, (rows, chunks, -1))
     features = ops.shape(summaries)[-1]
-    if chunk_gates is None:
-        gates = ops.zeros((rows, chunks), summaries.dtype)
-    else:
-        gates = ops.reshape(chunk_gates, (rows, chunks))
     # Whole blocks; the number of chunks is a tensor for unknown lengths.
     block = _PREFIX_BLOCK
     if isinstance(chunks, int):
@@ -210,10 +206,12 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     # The blocks as one batch axis: PyTorch's `einsum` runs one batched
     # product (`ops.matmul` demotes float64 to float32 on PyTorch).
     blocks = ops.reshape(summaries, (-1, block, features))
-    gates = ops.reshape(_append_zeros(gates, padding), (-1, block))
+    gates = None
+    if chunk_gates is not None:
+        gates = ops.reshape(chunk_gates, (rows, chunks))
+        gates = ops.reshape(_append_zeros(gates, padding), (-1, block))
     within, block_totals, before = _within_blocks(blocks, gates)
     within = ops.reshape(within, ops.shape(summaries))
-    block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
     # Across blocks: the state after each block (the first row is the
     # initial state).
     totals = ops.concatenate(
@@ -223,15 +221,21 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
         ],
         axis=1,
     )
-    across = decay_matrix(
-        ops.concatenate([ops.zeros_like(block_gates[:, :1]), block_gates], 1)
-    )
-    totals = ops.einsum("xij,xjf->xif", across, totals)
+    if gates is None:
+        totals = _cumsum(totals, 1)
+    else:
+        block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
+        block_gates = ops.concatenate(
+            [ops.zeros((rows, 1), block_gates.dtype), block_gates], 1
+        )
+        totals = ops.einsum("xij,xjf->xif", decay_matrix(block_gates), totals)
     # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
     # slice in the wrong place.
-    entering = within + ops.expand_dims(
-        ops.reshape(before, ops.shape(summaries)[:3]), -1
-    ) * ops.expand_dims(totals[:, :-1], 2)
+    earlier = ops.expand_dims(totals[:, :-1], 2)
+    if before is not None:
+        before = ops.reshape(before, ops.shape(summaries)[:3])
+        earlier = ops.expand_dims(before, -1) * earlier
+    entering = within + earlier
     entering = ops.reshape(entering, (rows, -1, features))
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
@@ -242,16 +246,24 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
 
 
 def _within_blocks(blocks, gates):
-    """For `(n, block, f)` summaries and `(n, block)` gates: the sum of the
-    earlier chunks of the block entering each chunk, the block's total at
-    its end, and the decay from the block's start to each chunk."""
-    decay = decay_matrix(gates)
+    """For `(n, block, f)` summaries and `(n, block)` gates (or `None`):
+    the sum of the earlier chunks of the block entering each chunk, the
+    block's total at its end, and the decay from the block's start to each
+    chunk (`None` without gates)."""
+    if gates is None:
+        block = blocks.shape[1]
+        decay = ops.tril(ops.ones((block, block), blocks.dtype))
+        decay = ops.broadcast_to(decay, (ops.shape(blocks)[0], block, block))
+    else:
+        decay = decay_matrix(gates)
     # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
     strictly_lower = ops.concatenate(
         [ops.zeros_like(decay[:, :1]), decay[:, :-1]], axis=1
     )
     within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
     totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
+    if gates is None:
+        return within, totals, None
     return within, totals, ops.exp(_cumsum(gates, -1) - gates)
 
 
