@@ -77,6 +77,9 @@ FLOAT32_RTOL = 2e-5
 # f32 precision hint, predict runs in bfloat16 on CPUs that have it (8
 # significant bits).
 PREDICT_RTOL = 3e-2 if backend.backend() == "openvino" else FLOAT32_RTOL
+# A float16 output projection against the float32 layer: 11 significant
+# bits, a few roundings deep.
+FLOAT16_POLICY_RTOL = 1e-2
 # Two float32 algorithms against each other (parallel vs recurrent, full vs
 # chunked vs token by token): both round like the above, in another order.
 FLOAT32_PARITY_RTOL = 2e-5
@@ -888,6 +891,62 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         model = Subclassed()
         self.assertEqual(model(x).shape, (BATCH, LENGTH, 3))
         self.assertLen(model.trainable_weights, 10)
+
+    def test_mask_from_embedding(self):
+        tokens = np.array([[3, 5, 2, 0, 0], [0, 0, 4, 1, 7]])
+        for causal in (False, True):
+            inputs = layers.Input((None,), dtype="int32")
+            embedding = layers.Embedding(10, 8, mask_zero=True)
+            attention = LinearAttention(2, 4, causal=causal)
+            outputs = attention(embedding(inputs))
+            self.assertIsNotNone(backend.get_keras_mask(outputs))
+            y = models.Model(inputs, outputs)(tokens)
+            explicit = attention(embedding(tokens), mask=tokens != 0)
+            self.assertAllClose(y, explicit)
+            self.assertAllEqual(backend.convert_to_numpy(y)[tokens == 0], 0.0)
+            # Eagerly too, without warnings from the projections.
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                mask = backend.get_keras_mask(attention(embedding(tokens)))
+            self.assertAllEqual(mask, tokens != 0)
+            if causal:
+                # With a carried state as well.
+                streamed = attention(
+                    embedding(tokens),
+                    initial_state=attention.get_initial_state(2),
+                )
+                self.assertAllClose(streamed, explicit)
+            self.assertAllEqual(
+                attention.compute_mask(None, tokens != 0), tokens != 0
+            )
+
+    def test_dtype_policy_map(self):
+        # Per-projection policies by path, as for MultiHeadAttention; the
+        # layer returns its own compute dtype whatever the output
+        # projection's.
+        policy_map = dtype_policies.DTypePolicyMap()
+        quantized = dtype_policies.QuantizedDTypePolicy("int8", "float32")
+        for name in ("query", "key", "value"):
+            policy_map[f"attention/{name}"] = quantized
+        policy_map["attention/attention_output"] = dtype_policies.get("float16")
+        layer = make_layer(causal=True, dtype=policy_map, name="attention")
+        for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
+            self.assertDType(dense._kernel, "int8")
+        self.assertDType(layer.output_dense.kernel, "float16")
+        # A float32 layer whose projections were quantized in place: the
+        # same outputs, up to the float16 output projection.
+        reference = make_layer(causal=True)
+        for name in ("query", "key", "value"):
+            getattr(reference, f"{name}_dense").quantize("int8")
+        layer.set_weights(reference.get_weights())
+        x = random_inputs()
+        y = layer(x)
+        self.assertDType(y, "float32")
+        assert_close(y, reference(x), FLOAT16_POLICY_RTOL)
+        spec = layer.compute_output_spec(backend.KerasTensor((2, 5, 8)))
+        self.assertEqual(spec.dtype, "float32")
+        self.assertNotIn("projection_dtypes", layer.get_config())
+        assert_close(stream(layer, x, [30, 40])[0], y, FLOAT16_POLICY_RTOL)
 
     def test_v1_saved_model_loads_unchanged(self):
         # `testdata/linear_attention_v1.keras` was saved by the first

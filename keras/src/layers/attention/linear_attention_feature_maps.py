@@ -421,9 +421,9 @@ def get(identifier, key_dim, same_size=True, **options):
     if isinstance(identifier, FeatureMap):
         if identifier.key_dim != key_dim:
             raise ValueError(
-                "`feature_map` must be built for the layer's `key_dim`. "
-                f"Received: feature_map={identifier!r} with key_dim="
-                f"{identifier.key_dim}, key_dim={key_dim}"
+                "`feature_map` must be made for the layer's `key_dim`: "
+                f"create it with key_dim={key_dim}. Received: feature_map="
+                f"{identifier!r} with key_dim={identifier.key_dim}"
             )
         return identifier
     if isinstance(identifier, str):

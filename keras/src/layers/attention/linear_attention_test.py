@@ -10,7 +10,6 @@ from absl.testing import parameterized
 
 from keras.src import backend
 from keras.src import constraints
-from keras.src import dtype_policies
 from keras.src import initializers
 from keras.src import layers
 from keras.src import models
@@ -873,34 +872,6 @@ class LinearAttentionTest(testing.TestCase):
             self.assertDType(propagated, "bool")
             self.assertAllEqual(propagated, valid)
 
-    def test_mask_from_embedding(self):
-        tokens = np.array([[3, 5, 2, 0, 0], [0, 0, 4, 1, 7]])
-        for causal in (False, True):
-            inputs = layers.Input((None,), dtype="int32")
-            embedding = layers.Embedding(10, 8, mask_zero=True)
-            attention = LinearAttention(2, 4, causal=causal)
-            outputs = attention(embedding(inputs))
-            self.assertIsNotNone(backend.get_keras_mask(outputs))
-            y = models.Model(inputs, outputs)(tokens)
-            explicit = attention(embedding(tokens), mask=tokens != 0)
-            self.assertAllClose(y, explicit)
-            self.assertAllEqual(backend.convert_to_numpy(y)[tokens == 0], 0.0)
-            # Eagerly too, without warnings from the projections.
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                mask = backend.get_keras_mask(attention(embedding(tokens)))
-            self.assertAllEqual(mask, tokens != 0)
-            if causal:
-                # With a carried state as well.
-                streamed = attention(
-                    embedding(tokens),
-                    initial_state=attention.get_initial_state(2),
-                )
-                self.assertAllClose(streamed, explicit)
-            self.assertAllEqual(
-                attention.compute_mask(None, tokens != 0), tokens != 0
-            )
-
     # The state.
 
     @parameterized.named_parameters(
@@ -1133,36 +1104,6 @@ class LinearAttentionTest(testing.TestCase):
         loaded = saving.load_model(path)
         self.assertEqual(loaded.layers[1].query_dense.quantization_mode, mode)
         self.assertAllClose(loaded(x), y)
-
-    def test_dtype_policy_map(self):
-        # Per-projection policies by path, as for MultiHeadAttention; the
-        # layer returns its own compute dtype whatever the output
-        # projection's.
-        policy_map = dtype_policies.DTypePolicyMap()
-        quantized = dtype_policies.QuantizedDTypePolicy("int8", "float32")
-        for name in ("query", "key", "value"):
-            policy_map[f"attention/{name}"] = quantized
-        policy_map["attention/attention_output"] = dtype_policies.get("float16")
-        layer = _layer(causal=True, dtype=policy_map, name="attention")
-        for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
-            self.assertDType(dense._kernel, "int8")
-        self.assertDType(layer.output_dense.kernel, "float16")
-        # A float32 layer whose projections were quantized in place: the
-        # same outputs, up to the float16 output projection.
-        reference = _layer(causal=True)
-        for name in ("query", "key", "value"):
-            getattr(reference, f"{name}_dense").quantize("int8")
-        layer.set_weights(reference.get_weights())
-        x = _inputs()
-        y = layer(x)
-        self.assertDType(y, "float32")
-        self.assertClose(y, reference(x), MIXED_TOL["float16"])
-        spec = layer.compute_output_spec(backend.KerasTensor((2, 5, 8)))
-        self.assertEqual(spec.dtype, "float32")
-        self.assertNotIn("projection_dtypes", layer.get_config())
-        self.assertClose(
-            _stream(layer, x, [30, 40])[0], y, MIXED_TOL["float16"]
-        )
 
     # Precision.
 
