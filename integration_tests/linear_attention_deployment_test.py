@@ -2,7 +2,8 @@
 
 Every format that `model.export()` offers on the backend, for every kind of
 layer (causal or not, each `execution_mode`, each feature map, grouped
-heads, `local_window`, `decay`, masks from `Embedding(mask_zero=True)`):
+heads, `local_window`, `decay`, `conv_kernel_size`, masks from
+`Embedding(mask_zero=True)`):
 the artifact runs in its own runtime (onnxruntime, OpenVINO, LiteRT's
 interpreter with builtin ops only, `torch.export.load`) at several batch
 sizes and lengths and must give the Keras model's outputs. The decode
@@ -73,15 +74,16 @@ CONFIGS = {
         "local_window": 5,
     },
     "taylor_decay": {"causal": True, "feature_map": "taylor", "decay": 0.9},
-    "masked_local_window_decay_learned": {
+    "masked_local_window_decay_learned_conv": {
         "causal": True,
         "local_window": 5,
         "decay": "learned",
+        "conv_kernel_size": 3,
         "masked": True,
     },
-    "masked_non_causal": {"masked": True},
+    "masked_non_causal_conv": {"masked": True, "conv_kernel_size": 4},
 }
-DECODE_CONFIGS = ("causal", "masked_local_window_decay_learned")
+DECODE_CONFIGS = ("causal", "masked_local_window_decay_learned_conv")
 
 
 def _upstream_failure(format, kwargs):

@@ -23,13 +23,8 @@ from keras.src.saving import serialization_lib
 _DECAY_SCHEDULES = ("retnet", "learned")
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
-_STATE_NAMES = (
-    "key_value_state",
-    "key_state",
-    "window_keys",
-    "window_values",
-    "window_valid",
-)
+# The state's elements of the short convolution: its last inputs.
+_CONV_STATE = ("conv_queries", "conv_keys", "conv_values")
 
 
 @keras_export("keras.layers.LinearAttention")
@@ -88,10 +83,15 @@ class LinearAttention(Layer):
             `2 * key_dim`).
         local_window: Optional positive integer `W`: exact softmax over the
             positions closer than `W` (causal: the last `W`), the feature
-            map beyond, weighted by a trainable `far_log_scale` per head.
+            map beyond, weighted by a trainable `far_log_scale` per head,
+            which starts on the window's scale for the feature map.
         decay: Causal layers only: the state's forgetting factor per step,
             a float in (0, 1], a list of one per key/value head, `"retnet"`
             (`1 - 2^(-5 - h)` for head `h`) or `"learned"`.
+        conv_kernel_size: Optional integer `K >= 2`: a depthwise
+            convolution of width `K` over time on the projected queries,
+            keys and values, before the feature map (causal for causal
+            layers, centred otherwise). It helps recall.
         projection_dtypes: Optional dict from projection names to dtype
             policies, written by `get_config()` for quantized projections.
 
@@ -110,10 +110,10 @@ class LinearAttention(Layer):
         state: Only if `return_state=True`: `(key_value_state, key_state)`
             of shapes `(batch_size, num_key_value_heads, features,
             value_dim)` and `(batch_size, num_key_value_heads, features)`
-            (`(key_value_state,)` without the normalizer); with
-            `local_window`, followed by the last `W` projected keys, values
-            and valid flags (`window_keys`, `window_values`,
-            `window_valid`).
+            (`(key_value_state,)` without the normalizer); then, with
+            `conv_kernel_size`, the last `K - 1` projected queries, keys
+            and values; then, with `local_window`, the last `W` projected
+            keys, values and valid flags.
 
     Examples:
 
@@ -179,6 +179,7 @@ class LinearAttention(Layer):
         num_features=None,
         local_window=None,
         decay=None,
+        conv_kernel_size=None,
         projection_dtypes=None,
         **kwargs,
     ):
@@ -190,6 +191,7 @@ class LinearAttention(Layer):
             value_dim=value_dim,
             num_key_value_heads=num_key_value_heads,
             local_window=local_window,
+            conv_kernel_size=conv_kernel_size,
             use_normalizer=use_normalizer,
             causal=causal,
             use_bias=use_bias,
@@ -231,6 +233,9 @@ class LinearAttention(Layer):
         )
         self.num_features = self._feature_map.num_features
         self.local_window = None if local_window is None else int(local_window)
+        self.conv_kernel_size = (
+            None if conv_kernel_size is None else int(conv_kernel_size)
+        )
         self.decay = _check_decay(decay, self.num_key_value_heads)
         self._check_options(num_key_value_heads, decay)
         self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
@@ -331,12 +336,35 @@ class LinearAttention(Layer):
         self._output_dense.build((None, None, heads, self.value_dim))
         self._feature_map.build((None, None, key_value_heads, self.key_dim))
         if self.local_window is not None:
+            # On the window's scale from the start (see the map's
+            # `initial_far_log_scale`).
             self.far_log_scale = self.add_weight(
                 name="far_log_scale",
                 shape=(heads,),
-                initializer="zeros",
+                initializer=initializers.Constant(
+                    self._feature_map.initial_far_log_scale
+                ),
                 autocast=False,
             )
+        self._conv_kernels = None
+        if self.conv_kernel_size is not None:
+            self._conv_kernels = [
+                self.add_weight(
+                    name=f"{name}_conv_kernel",
+                    shape=(self.conv_kernel_size, count, size),
+                    # As PyTorch's `Conv1d`: uniform within 1/sqrt(fan_in).
+                    initializer=initializers.RandomUniform(
+                        -(self.conv_kernel_size**-0.5),
+                        self.conv_kernel_size**-0.5,
+                    ),
+                    autocast=False,
+                )
+                for name, count, size in (
+                    ("query", heads, self.key_dim),
+                    ("key", key_value_heads, self.key_dim),
+                    ("value", key_value_heads, self.value_dim),
+                )
+            ]
         if self.decay == "learned":
             # gamma = sigmoid(decay_logit) stays in (0, 1).
             self.decay_logit = self.add_weight(
@@ -429,22 +457,27 @@ class LinearAttention(Layer):
     def _zero_state(self, batch_size):
         return tuple(
             ops.zeros((batch_size,) + shape, dtype=self.accumulator_dtype)
-            for shape in self._state_shapes()
+            for shape in self._state_shapes().values()
         )
 
     def _state_shapes(self):
+        """The state's elements, by name, and their shapes without the
+        batch."""
         heads, features = self.num_key_value_heads, self._feature_map.size
-        shapes = [(heads, features, self.value_dim)]
+        shapes = {"key_value_state": (heads, features, self.value_dim)}
         if self.use_normalizer:
-            shapes.append((heads, features))
+            shapes["key_state"] = (heads, features)
+        if self.conv_kernel_size is not None and self.causal:
+            steps = self.conv_kernel_size - 1
+            shapes["conv_queries"] = (steps, self.num_heads, self.key_dim)
+            shapes["conv_keys"] = (steps, heads, self.key_dim)
+            shapes["conv_values"] = (steps, heads, self.value_dim)
         if self.local_window is not None:
             window = self.local_window
-            shapes += [
-                (heads, window, self.key_dim),
-                (heads, window, self.value_dim),
-                (window,),
-            ]
-        return tuple(shapes)
+            shapes["window_keys"] = (heads, window, self.key_dim)
+            shapes["window_values"] = (heads, window, self.value_dim)
+            shapes["window_valid"] = (window,)
+        return shapes
 
     def __call__(self, *args, **kwargs):
         names = self.call_signature_parameters
@@ -512,17 +545,28 @@ class LinearAttention(Layer):
             # would carry into the weights.
             inputs = _masked(inputs, mask)
         dtype = self.accumulator_dtype
-        # (batch, time, heads, key_dim or value_dim) in the accumulator
-        # dtype; keys and values have `num_key_value_heads` heads.
-        query = ops.cast(self._query_dense(inputs), dtype)
-        key = ops.cast(self._key_dense(inputs), dtype)
-        # The values too, so that no product can bring masked steps back.
-        value = _masked(ops.cast(self._value_dense(inputs), dtype), mask)
-        valid = None if mask is None else ops.cast(mask, dtype)
         state = None
         if self.causal:
             state = initial_state or self._zero_state(ops.shape(inputs)[0])
             state = tuple(ops.cast(s, dtype) for s in state)
+        # (batch, time, heads, key_dim or value_dim) in the accumulator
+        # dtype; keys and values have `num_key_value_heads` heads.
+        query = ops.cast(self._query_dense(inputs), dtype)
+        key = ops.cast(self._key_dense(inputs), dtype)
+        value = ops.cast(self._value_dense(inputs), dtype)
+        conv_state = {}
+        if self._conv_kernels is not None:
+            previous = (None,) * 3
+            if self.causal:
+                state = dict(zip(self._state_shapes(), state))
+                previous = [state.pop(name) for name in _CONV_STATE]
+                state = tuple(state.values())
+            (query, key, value), conv_state = self._convolve(
+                (query, key, value), mask, previous
+            )
+        # The values masked, so that no product can bring masked steps back.
+        value = _masked(value, mask)
+        valid = None if mask is None else ops.cast(mask, dtype)
         if 0 in inputs.shape[:2]:
             # An empty piece of a stream passes the state through; an empty
             # batch has no chunks to count.
@@ -534,6 +578,13 @@ class LinearAttention(Layer):
             outputs, state = self._linear(query, key, value, valid, state)
         # Nothing computed at padding reaches the output projection, e.g.
         # the input statistics that GPTQ quantization collects.
+        if conv_state:
+            # In the order of `_state_shapes`: the sums, the convolution's
+            # steps, then the window.
+            sums = 2 if self.use_normalizer else 1
+            state = tuple(
+                state[:sums] + tuple(conv_state.values()) + state[sums:]
+            )
         outputs = ops.cast(_masked(outputs, mask), self.compute_dtype)
         if self._dropout_layer is not None:
             outputs = self._dropout_layer(outputs, training=training)
@@ -545,6 +596,20 @@ class LinearAttention(Layer):
         if return_state:
             return outputs, state
         return outputs
+
+    def _convolve(self, projections, mask, previous):
+        """The short convolution of each projection, masked steps entering
+        as zeros; returns them and, if causal, the last
+        `conv_kernel_size - 1` steps of each."""
+        outputs, recent = [], {}
+        for x, kernel, before, name in zip(
+            projections, self._conv_kernels, previous, _CONV_STATE
+        ):
+            x, recent[name] = core.short_convolution(
+                _masked(x, mask), ops.cast(kernel, x.dtype), before
+            )
+            outputs.append(x)
+        return outputs, recent if self.causal else {}
 
     def _readout(self, numerator, denominator):
         return core.normalize(
@@ -690,8 +755,7 @@ class LinearAttention(Layer):
     def _check_state(self, state, batch_size):
         shapes = self._state_shapes()
         expected = ", ".join(
-            f"{name} (batch_size,) + {shape}"
-            for name, shape in zip(_STATE_NAMES, shapes)
+            f"{name} (batch_size,) + {shape}" for name, shape in shapes.items()
         )
         if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
             raise ValueError(
@@ -705,7 +769,7 @@ class LinearAttention(Layer):
                     else ""
                 )
             )
-        for name, tensor, shape in zip(_STATE_NAMES, state, shapes):
+        for (name, shape), tensor in zip(shapes.items(), state):
             received = tuple(getattr(tensor, "shape", ()))
             if (
                 received[1:] != shape
@@ -762,7 +826,7 @@ class LinearAttention(Layer):
             backend.KerasTensor(
                 (inputs.shape[0],) + shape, self.accumulator_dtype
             )
-            for shape in self._state_shapes()
+            for shape in self._state_shapes().values()
         )
 
     def get_config(self):
@@ -771,7 +835,8 @@ class LinearAttention(Layer):
             for name in (
                 "num_heads key_dim value_dim use_normalizer "
                 "normalization_epsilon causal dropout use_bias execution_mode "
-                "seed num_key_value_heads num_features local_window decay"
+                "seed num_key_value_heads num_features local_window decay "
+                "conv_kernel_size"
             ).split()
         }
         config["output_shape"] = self._output_shape
@@ -880,6 +945,10 @@ _SCALAR_ARGUMENTS = {
     "value_dim": (_is_optional_positive_int, "a positive integer"),
     "num_key_value_heads": (_is_optional_positive_int, "a positive integer"),
     "local_window": (_is_optional_positive_int, "a positive integer"),
+    "conv_kernel_size": (
+        lambda v: v is None or _is_integer(v) and v >= 2,
+        "`None` or an integer of at least 2",
+    ),
     "use_normalizer": (_is_boolean, "a boolean"),
     "causal": (_is_boolean, "a boolean"),
     "use_bias": (_is_boolean, "a boolean"),

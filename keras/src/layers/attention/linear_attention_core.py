@@ -45,6 +45,31 @@ def non_causal(query, key, value, readout, use_normalizer=True):
     return _merge_heads(readout(numerator, denominator))
 
 
+def short_convolution(x, kernel, previous=None):
+    """Depthwise convolution over time of `x` `(batch, time, ...)` with
+    `kernel` `(width, ...)`, one filter per channel, `width >= 2`.
+
+    Causal when `previous`, the `width - 1` steps before `x`, is given:
+    `y_t = sum_j kernel_j x_(t - width + 1 + j)`; centred (zeros at both
+    ends, one more after than before for an even width) otherwise. Returns
+    `y` and the last `width - 1` steps, the next call's `previous`.
+    """
+    width = kernel.shape[0]
+    if previous is None:
+        before = (width - 1) // 2
+        zeros = ops.zeros_like(x[:, :1])
+        padded = ops.concatenate(
+            [zeros] * before + [x] + [zeros] * (width - 1 - before), axis=1
+        )
+    else:
+        padded = ops.concatenate([previous, x], axis=1)
+    # Slices that end relative to the end: no length enters the graph.
+    outputs = sum(
+        kernel[j] * padded[:, j : j - width + 1 or None] for j in range(width)
+    )
+    return outputs, padded[:, 1 - width :]
+
+
 def linear_step(state, query, key, value, log_gate=None):
     """One step of `S_t = exp(gate_t) S_(t-1) + phi(k_t)^T v_t` (and
     `z_t = exp(gate_t) z_(t-1) + phi(k_t)`), read by `phi(q_t)`.

@@ -24,6 +24,8 @@ _UNIT_EPSILON = 1e-12
 # Above this `key_dim`, `Taylor`'s `1 + d (d + 3) / 2` features make the
 # state and the products large, so the map warns.
 _TAYLOR_MAX_KEY_DIM = 32
+# log E[exp(s)] of a standard normal s: the scale of the window's terms.
+_LOG_MEAN_EXP = 0.5
 
 
 class FeatureMap(Layer):
@@ -87,6 +89,14 @@ class FeatureMap(Layer):
         """The number of features of each head."""
         return self.key_dim
 
+    @property
+    def initial_far_log_scale(self):
+        """The starting `far_log_scale` of a layer with `local_window`:
+        `log E[exp(s)] - log E[phi(q) . phi(k)]` for `s = q . k /
+        sqrt(key_dim)` and standard normal `q` and `k`, so that the far part
+        starts on the window's scale. 0 for maps that estimate `exp(s)`."""
+        return 0.0
+
     def build(self, input_shape):
         """`input_shape`: `(batch, time, num_key_value_heads, key_dim)`."""
         self.heads = input_shape[2]
@@ -133,12 +143,23 @@ class EluPlusOne(FeatureMap):
         positive = ops.relu(x)
         return ops.exp(x - positive) + positive, None
 
+    @property
+    def initial_far_log_scale(self):
+        # E[elu(x) + 1] of a standard normal x, squared, per feature.
+        mean = 0.5 + (2 * math.pi) ** -0.5 + math.exp(0.5) * _normal_cdf(-1)
+        return _LOG_MEAN_EXP - math.log(self.key_dim * mean**2)
+
 
 class ReLU(FeatureMap):
     """`relu(x) + epsilon`."""
 
     def features(self, x, positions=None, length=None, stabilize=False):
         return ops.relu(x) + self.epsilon, None
+
+    @property
+    def initial_far_log_scale(self):
+        # E[relu(x)] = 1 / sqrt(2 pi) of a standard normal x.
+        return _LOG_MEAN_EXP - math.log(self.key_dim / (2 * math.pi))
 
 
 class CosFormer(ReLU):
@@ -324,6 +345,11 @@ class RandomFourier(_RandomFeatureMap):
         features = ops.concatenate(_sin_cos(x), axis=-1)
         return features * (self.num_features // 2) ** -0.5, None
 
+    @property
+    def initial_far_log_scale(self):
+        # exp(-|q - k|^2 / 2) of unit vectors, near orthogonal: exp(-1).
+        return _LOG_MEAN_EXP + 1.0
+
 
 class Hedgehog(_SizedFeatureMap):
     """Hedgehog (Zhang et al., 2024): `softmax([W x, -W x])` with a learned
@@ -346,6 +372,16 @@ class Hedgehog(_SizedFeatureMap):
     def features(self, x, positions=None, length=None, stabilize=False):
         x = ops.einsum("bthd,hdf->bthf", x, self._per_head(self.kernel, x))
         return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1), None
+
+    @property
+    def initial_far_log_scale(self):
+        # From the identity kernel: `d` features of x (the others 0), each
+        # in both signs, of expected exp e^(1/2), and e for q + k.
+        d = min(self.key_dim, self.num_features // 2)
+        zeros = self.num_features // 2 - d
+        products = d * math.e + zeros
+        totals = 2 * (d * math.exp(0.5) + zeros) ** 2
+        return _LOG_MEAN_EXP - math.log(products / totals)
 
 
 class _Function(FeatureMap):
@@ -562,3 +598,7 @@ def _identity_per_head(shape, dtype=None):
     return ops.tile(
         ops.expand_dims(ops.eye(rows, columns, dtype=dtype), 0), (heads, 1, 1)
     )
+
+
+def _normal_cdf(x):
+    return 0.5 * math.erfc(-x / 2**0.5)

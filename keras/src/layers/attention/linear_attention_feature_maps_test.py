@@ -273,6 +273,28 @@ class FeatureMapsTest(_TestCase):
         self.assertClose(restored(x), feature_map(x))
         self.assertIsInstance(maps.get(name, key_dim=KEY_DIM), MAPS[name])
 
+    @parameterized.named_parameters((name, name) for name in MAPS)
+    def test_initial_far_log_scale(self, name):
+        # `phi(q) . phi(k) exp(far_log_scale)` starts on the scale of the
+        # window's `exp(q . k / sqrt(key_dim))`, on average over standard
+        # normal queries and keys, within the estimates' sampling error.
+        feature_map = MAPS[name](16, seed=1, dtype=DTYPE)
+        feature_map.build((None, None, 1, 16))
+        q, k = np.random.default_rng(0).standard_normal((2, 1, 4000, 1, 16))
+        phi_q, phi_k = (
+            _numpy(feature_map.features(ops.convert_to_tensor(x, DTYPE))[0])
+            for x in (q, k)
+        )
+        log_ratio = np.log(np.mean(np.exp(np.sum(q * k, -1) / 4))) - np.log(
+            np.mean(np.sum(phi_q * phi_k, -1))
+        )
+        self.assertAllClose(feature_map.initial_far_log_scale, log_ratio, 0.3)
+        layer = LinearAttention(2, 16, feature_map=name, local_window=4)
+        layer.build((None, None, 8))
+        self.assertAllClose(
+            layer.far_log_scale, [feature_map.initial_far_log_scale] * 2
+        )
+
     @parameterized.named_parameters(
         ("hedgehog_odd", "hedgehog", 5, "even for feature_map='hedgehog'"),
         (

@@ -59,6 +59,11 @@ CONFIGS = {
     },
     "taylor": {"feature_map": "taylor"},
     "cosformer": {"feature_map": "cosformer"},
+    "grouped_conv": {
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "conv_kernel_size": 4,
+    },
 }
 
 # OpenVINO unrolls the recurrent scan, whose hybrid step then compiles for
@@ -84,6 +89,7 @@ CAUSAL_CASES = [
     ("grouped", "grouped", {}),
     ("grouped_hedgehog", "grouped_hedgehog", {}),
     ("taylor", "taylor", {}),
+    ("grouped_conv", "grouped_conv", {}),
     ("decay", None, {"decay": 0.9}),
     ("decay_learned_fourier", "grouped_random_fourier", {"decay": "learned"}),
     ("hybrid_1_favor_plus", "favor_plus", {"local_window": 1}),
@@ -93,6 +99,11 @@ CAUSAL_CASES = [
         "hybrid_5_decay_learned_fourier",
         "grouped_random_fourier",
         {"local_window": 5, "decay": "learned"},
+    ),
+    (
+        "hybrid_3_decay_conv",
+        "grouped_conv",
+        {"local_window": 3, "decay": "learned"},
     ),
 ]
 
@@ -187,10 +198,23 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     valid = np.ones((batch, length), bool) if mask is None else mask
     valid = np.broadcast_to(np.asarray(valid, bool), (batch, length))
     valid = valid[..., None, None]
+    names = list(layer._state_shapes()) if layer.causal else []
+    given = dict(zip(names, initial_state or ()))
+    convolved = {}
 
     def project(name):
         y = np.einsum("btm,mhd->bthd", x, w[f"{name}/kernel"])
-        return y + w[f"{name}/bias"] if layer.use_bias else y
+        y = y + w[f"{name}/bias"] if layer.use_bias else y
+        if layer.conv_kernel_size:
+            # Masked steps enter the convolution as zeros.
+            state = "conv_queries" if name == "query" else f"conv_{name}s"
+            y, convolved[state] = _np_convolve(
+                y * valid,
+                w[f"{name}_conv_kernel"],
+                given.get(state),
+                layer.causal,
+            )
+        return y
 
     def phi(name):
         y = project(name)
@@ -207,11 +231,10 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     if layer.causal:
         shape = (batch, layer.num_heads, key.shape[-1], value.shape[-1])
         s, z = np.zeros(shape), np.zeros(shape[:-1])
-        for i, t in enumerate(initial_state or ()):
-            t = np.repeat(
-                np.asarray(backend.convert_to_numpy(t), "float64"), group, 1
-            )
-            s, z = (t, z) if i == 0 else (s, t)
+        for name in ("key_value_state", "key_state"):
+            if name in given:
+                t = np.repeat(_np(given[name]), group, 1)
+                s, z = (t, z) if name == "key_value_state" else (s, t)
         gamma = np.ones(layer.num_key_value_heads)
         if layer.decay == "learned":
             gamma = 1.0 / (1.0 + np.exp(-w["decay_logit"]))
@@ -250,8 +273,30 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     if not layer.causal:
         return outputs, None
     # One state per key/value head (equal within a group).
-    state = (s[:, ::group], z[:, ::group])
-    return outputs, state[: 2 if layer.use_normalizer else 1]
+    state = (s[:, ::group], z[:, ::group])[: 2 if layer.use_normalizer else 1]
+    return outputs, state + tuple(convolved[n] for n in names if n in convolved)
+
+
+def _np(x):
+    return np.asarray(backend.convert_to_numpy(x), "float64")
+
+
+def _np_convolve(x, kernel, previous, causal):
+    """`y_t = sum_j kernel_j x_(t + j - offset)`, `offset` `width - 1`
+    (causal; the steps before the first from `previous`) or `(width - 1)
+    // 2` (centred), zeros beyond; returns `y` and the last `width - 1`
+    steps of `previous` and `x`."""
+    width, length = len(kernel), x.shape[1]
+    offset = width - 1 if causal else (width - 1) // 2
+    zeros = np.zeros((x.shape[0], width - 1) + x.shape[2:])
+    before = zeros if previous is None else _np(previous)
+    # Step `t` of `x` at `t + width - 1`.
+    steps = np.concatenate([before, x, zeros], axis=1)
+    y = np.zeros_like(x)
+    for t in range(length):
+        for j in range(width):
+            y[:, t] += kernel[j] * steps[:, t + j - offset + width - 1]
+    return y, steps[:, length : length + width - 1]
 
 
 def _random_state(layer, batch=BATCH, seed=3):
@@ -261,9 +306,11 @@ def _random_state(layer, batch=BATCH, seed=3):
         rng.uniform(1, 2, size=tuple(s.shape))
         for s in layer.get_initial_state(batch)
     ]
+    # The window's and the convolution's steps: any values; window flags.
+    sums = 2 if layer.use_normalizer else 1
+    state[sums:] = [rng.normal(size=s.shape) for s in state[sums:]]
     if layer.local_window:
-        state[2:4] = [rng.normal(size=s.shape) for s in state[2:4]]
-        state[4] = rng.uniform(size=state[4].shape) < 0.7
+        state[-1] = rng.uniform(size=state[-1].shape) < 0.7
     return tuple(s.astype("float32") for s in state)
 
 
@@ -273,10 +320,10 @@ def _masked_hybrid_state(state):
     What an invalid slot holds is never read, so that states compare
     equal whatever the layer keeps there.
     """
-    state = [np.asarray(backend.convert_to_numpy(s), "float64") for s in state]
-    slots = state[4][:, None, :, None] > 0.5
-    state[2] = np.where(slots, state[2], 0.0)
-    state[3] = np.where(slots, state[3], 0.0)
+    state = [_np(s) for s in state]
+    slots = state[-1][:, None, :, None] > 0.5
+    state[-3] = np.where(slots, state[-3], 0.0)
+    state[-2] = np.where(slots, state[-2], 0.0)
     return state
 
 
@@ -288,7 +335,8 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
     """
     # Tensors, as the other elements: Keras refuses a nested call argument
     # that mixes tensors (tracers) and NumPy arrays.
-    flags = tuple(ops.convert_to_tensor(s) for s in state[4:])
+    flags = tuple(ops.convert_to_tensor(s) for s in state if s.ndim == 2)
+    state = state[: len(state) - len(flags)]
     weights = [v.value for v in layer.trainable_variables]
     if backend.backend() == "jax":
         import jax
@@ -303,13 +351,13 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
             return jax.numpy.sum(y * upstream)
 
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
-            x, list(state[:4]), weights
+            x, list(state), weights
         )
         grads = [grads[0], *grads[1], *grads[2]]
     elif backend.backend() == "tensorflow":
         import tensorflow as tf
 
-        x, state = tf.constant(x), [tf.constant(s) for s in state[:4]]
+        x, state = tf.constant(x), [tf.constant(s) for s in state]
         with tf.GradientTape() as tape:
             tape.watch([x] + state)
             y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
@@ -319,7 +367,7 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
         import torch
 
         x = torch.tensor(x, requires_grad=True)
-        state = [torch.tensor(s, requires_grad=True) for s in state[:4]]
+        state = [torch.tensor(s, requires_grad=True) for s in state]
         y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
         loss = torch.sum(y * torch.tensor(upstream))
         grads = torch.autograd.grad(loss, [x] + state + weights)
@@ -359,13 +407,15 @@ class LinearAttentionTest(testing.TestCase):
 
         `tol`: one tolerance, or one per element.
         """
-        tols = tol if isinstance(tol, (list, tuple)) else [tol] * 4
         self.assertLen(actual, len(expected), msg=msg)
-        if len(expected) == 5:
+        tols = list(tol) if isinstance(tol, (list, tuple)) else [tol]
+        tols += tols[-1:] * len(expected)
+        if len(expected[-1].shape) == 2:
             actual = _masked_hybrid_state(actual)
             expected = _masked_hybrid_state(expected)
-            self.assertAllEqual(actual[4], expected[4], msg=f"{msg} valid")
-        for i, (a, e) in enumerate(zip(actual[:4], expected[:4])):
+            self.assertAllEqual(actual[-1], expected[-1], msg=f"{msg} valid")
+            actual, expected = actual[:-1], expected[:-1]
+        for i, (a, e) in enumerate(zip(actual, expected)):
             self.assertClose(a, e, tols[i], f"{msg} state[{i}]")
 
     # The contract: construction, weights, configuration, errors.
@@ -390,6 +440,7 @@ class LinearAttentionTest(testing.TestCase):
         ("random_fourier", {"feature_map": "random_fourier", "seed": 3}, 9, 1),
         ("taylor", {"causal": True, "feature_map": "taylor"}, 8),
         ("cosformer", {"causal": True, "feature_map": "cosformer"}, 8),
+        ("conv", {"causal": True, "conv_kernel_size": 4}, 11),
     )
     def test_basics(self, init_kwargs, num_weights, num_non_trainable=0):
         self.run_layer_test(
@@ -408,8 +459,9 @@ class LinearAttentionTest(testing.TestCase):
         # Grouped heads: fewer key and value heads. FAVOR+'s random
         # features live in the feature map, shared by all heads and not
         # trained; a learned decay adds a logit per key/value head, whose
-        # sigmoid starts at the RetNet schedule, and `local_window` a far
-        # scale per query head, starting at 0.
+        # sigmoid starts at the RetNet schedule, `local_window` a far scale
+        # per query head, starting at 0 for FAVOR+, and the short
+        # convolution a kernel per projection.
         layer = _layer(
             build=False,
             name="attention",
@@ -421,6 +473,7 @@ class LinearAttentionTest(testing.TestCase):
             causal=True,
             decay="learned",
             local_window=5,
+            conv_kernel_size=3,
         )
         layer.build((None, None, INPUT_DIM))
         variables = {v.path: v for v in layer.weights}
@@ -438,6 +491,9 @@ class LinearAttentionTest(testing.TestCase):
                 "attention/feature_map/random_features": (3, 10),
                 "attention/decay_logit": (2,),
                 "attention/far_log_scale": (4,),
+                "attention/query_conv_kernel": (3, 4, 3),
+                "attention/key_conv_kernel": (3, 2, 3),
+                "attention/value_conv_kernel": (3, 2, 5),
             },
         )
         self.assertEqual(
@@ -492,6 +548,7 @@ class LinearAttentionTest(testing.TestCase):
             "num_key_value_heads": 2,
             "num_features": 6,
             "decay": [0.5, 0.9],
+            "conv_kernel_size": 3,
         }
         # `projection_dtypes` is written only for quantized projections
         # (see test_quantize); `local_window` refuses `use_normalizer=False`
@@ -514,7 +571,12 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual(config["normalization_epsilon"], 1e-6)
         self.assertEqual(config["feature_map"], "elu_plus_one")
         self.assertEqual(config["execution_mode"], "auto")
-        for name in ("output_shape", "decay", "local_window"):
+        for name in (
+            "output_shape",
+            "decay",
+            "local_window",
+            "conv_kernel_size",
+        ):
             self.assertIsNone(config[name], msg=name)
         # NumPy values and tuples become Python values, so that the
         # configuration is JSON-serializable, and every form of `decay`
@@ -610,6 +672,7 @@ class LinearAttentionTest(testing.TestCase):
         ("decay_non_causal", {"decay": 0.9}, "decay", "=0.9"),
         ("decay", {"decay": 1.5, "causal": True}, "decay", "=1.5"),
         ("decay_list", {"decay": [0.9], "causal": True}, "decay", r"\[0.9\]"),
+        ("conv_kernel_size", {"conv_kernel_size": 1}, "conv_kernel_size", "1"),
     )
     def test_invalid_arguments(self, kwargs, name, value=""):
         # `value`: how the message shows the received value.
@@ -774,7 +837,7 @@ class LinearAttentionTest(testing.TestCase):
         expected = _gradients(recurrent, x, state, upstream, mask=mask)
         actual = _gradients(parallel, x, state, upstream, mask=mask)
         # A hybrid's window validity flags are not differentiated.
-        num_inputs = 1 + min(len(state), 4)
+        num_inputs = 1 + len(state) - bool(parallel.local_window)
         self.assertLen(actual, num_inputs + len(parallel.trainable_variables))
         for i, (a, e) in enumerate(zip(actual, expected)):
             # Every input, state element and weight is trained, e.g. the
@@ -872,6 +935,14 @@ class LinearAttentionTest(testing.TestCase):
             self.assertDType(propagated, "bool")
             self.assertAllEqual(propagated, valid)
 
+    @parameterized.named_parameters(("causal", True), ("non_causal", False))
+    def test_conv_left_padding_is_the_prompt_alone(self, causal):
+        # Masked steps enter the short convolution as zeros, as the steps
+        # before the sequence do.
+        layer, x = _layer("grouped_conv", causal=causal), _inputs()
+        mask = np.broadcast_to(np.arange(LENGTH) >= 7, (BATCH, LENGTH))
+        self.assertClose(layer(x, mask=mask)[:, 7:], layer(x[:, 7:]))
+
     # The state.
 
     @parameterized.named_parameters(
@@ -885,6 +956,14 @@ class LinearAttentionTest(testing.TestCase):
             "hybrid",
             {"local_window": 6},
             [(3, 2, 3, 5), (3, 2, 3), (3, 2, 6, 3), (3, 2, 6, 5), (3, 6)],
+        ),
+        # The sums, the convolution's last queries, keys and values, then
+        # the window.
+        (
+            "conv_hybrid",
+            {"conv_kernel_size": 3, "local_window": 6},
+            [(3, 2, 3, 5), (3, 2, 3), (3, 2, 4, 3), (3, 2, 2, 3)]
+            + [(3, 2, 2, 5), (3, 2, 6, 3), (3, 2, 6, 5), (3, 6)],
         ),
     )
     def test_state_shapes(self, kwargs, expected):
@@ -962,6 +1041,8 @@ class LinearAttentionTest(testing.TestCase):
         ("hybrid_decay_per_head", None, True, 5, {"decay": [0.9, 0.5]}),
         ("taylor", "taylor", True),
         ("cosformer", "cosformer", True),
+        ("conv_hybrid", "grouped_conv", True, 5),
+        ("conv_non_causal", "grouped_conv", False),
     )
     def test_save_load_and_clone(
         self, config, causal, local_window=None, kwargs=None
@@ -1118,6 +1199,7 @@ class LinearAttentionTest(testing.TestCase):
             ("bf16_hybrid_hedgehog", "bfloat16", "grouped_hedgehog", None, 20),
             ("f16_decay_hedgehog", "float16", "grouped_hedgehog", "learned"),
             ("bf16_hybrid_decay_favor", "bfloat16", "favor_plus", 0.9, 5),
+            ("f16_hybrid_conv", "float16", "grouped_conv", None, 5),
         ]
     )
     def test_mixed_precision(self, dtype, config, decay=None, window=None):
