@@ -49,8 +49,12 @@ class RecallBenchmarkTest(testing.TestCase):
         self.assertIn(name, results["versions"])
         self.assertEqual(results["configs"], ["mha", "elu_plus_one"])
         self.assertEqual(results["skipped"], {})
-        runs = {run["config"]: run for run in results["runs"]}
-        self.assertEqual(set(runs), {"mha", "elu_plus_one"})
+        self.assertEqual(results["learning_rates"], [3e-3])
+        # Every configuration at seed 0, then the best one at seed 1.
+        seeds = [(run["config"], run["seed"]) for run in results["runs"]]
+        self.assertEqual(seeds[:2], [("mha", 0), ("elu_plus_one", 0)])
+        self.assertEqual(seeds[2][1], 1)
+        runs = {run["config"]: run for run in results["runs"][:2]}
         # 2 layers; MHA: keys and values of the 32 positions of 8 pairs;
         # elu_plus_one: (features, value_dim) and (features,) per head.
         self.assertEqual(
@@ -62,7 +66,8 @@ class RecallBenchmarkTest(testing.TestCase):
         )
         for run in runs.values():
             self.assertEqual((run["pairs"], run["length"]), (8, 32))
-            self.assertEqual(run["steps"], 30)
+            self.assertEqual(run["learning_rate"], 3e-3)
+            self.assertEqual((run["max_steps"], run["steps"]), (30, 30))
             # Evaluated after each of the two chunks of 15 steps.
             self.assertEqual([step for step, _ in run["history"]], [15, 30])
             self.assertEqual(run["accuracy"], run["history"][-1][1])
@@ -76,26 +81,27 @@ class RecallBenchmarkTest(testing.TestCase):
         with open(os.path.join(out, name + ".md")) as file:
             table = file.read()
         self.assertIn(
-            "| configuration | acc 8 pairs | step >= 0.99 (8) | "
-            "state bytes (8) | train ms/step (8) | params | "
+            "| configuration | acc 8 pairs | lr (8) | steps (8) | "
+            "seed 1 (8) | state bytes (8) | train ms/step (8) | params | "
             "forward ms (T=512) |",
             table,
         )
         (row,) = [
             line for line in table.splitlines() if line.startswith("| mha |")
         ]
-        self.assertEqual(row.split(" | ")[3], "32,768")
+        self.assertEqual(row.split(" | ")[2:4], ["0.003", "30"])
+        self.assertEqual(row.split(" | ")[5], "32,768")
         self.assertIn("| elu_plus_one |", table)
         with open(os.path.join(out, name + ".csv")) as file:
             reader = csv.DictReader(file)
             self.assertEqual(reader.fieldnames, report.CSV_FIELDS)
             rows = list(reader)
         self.assertEqual(
-            {row["config"]: int(row["state_bytes"]) for row in rows},
+            {row["config"]: int(row["state_bytes"]) for row in rows[:2]},
             {k: run["state_bytes"] for k, run in runs.items()},
         )
         self.assertTrue(all(row["backend"] == name for row in rows))
-        self.assertTrue(all(row["seed"] == "0" for row in rows))
+        self.assertEqual([row["seed"] for row in rows], ["0", "0", "1"])
         with open(os.path.join(out, name + ".png"), "rb") as file:
             self.assertEqual(file.read(8), b"\x89PNG\r\n\x1a\n")
 
@@ -153,11 +159,14 @@ class RecallTaskTest(testing.TestCase):
     def test_state_bytes(self):
         self.assertEqual((models.NUM_HEADS, models.HEAD_DIM), (HEADS, DIM))
 
-        def linear(heads, features, window=0):
+        def linear(heads, features, window=0, conv=False):
             # (features, value_dim) and (features,) per key/value head;
-            # the window's keys and values of every head and its flags.
+            # the window's keys and values of every head and its flags;
+            # the convolution's last 3 queries, keys and values.
             elements = heads * (features * DIM + features)
             elements += window * (2 * heads * DIM + 1)
+            if conv:
+                elements += 3 * (HEADS + 2 * heads) * DIM
             return elements * 4
 
         taylor = 1 + DIM + DIM * (DIM + 1) // 2
@@ -173,6 +182,13 @@ class RecallTaskTest(testing.TestCase):
             "grouped": linear(1, DIM),
             "hedgehog_local": linear(HEADS, 2 * DIM, window=8),
         }
+        for name, size in list(expected.items()):
+            options = dict(models.CONFIGS[name], conv_kernel_size=4)
+            self.assertEqual(models.CONFIGS[f"{name}_conv"], options)
+            layer = models.attention(f"{name}_conv")
+            heads = layer.num_key_value_heads
+            extra = linear(heads, 1, conv=True) - linear(heads, 1)
+            expected[f"{name}_conv"] = size + extra
         self.assertEqual(set(expected) | {"mha"}, set(models.CONFIGS))
         self.assertEqual(taylor, 153)
         for name, size in expected.items():

@@ -19,7 +19,8 @@ window, and linear attention over everything older
 with softmax to the `W` positions `t - W < j <= t`, itself included, and
 through the feature map to every older position; both parts share one
 normaliser, and a trainable per-head weight (`far_log_scale`) sets how much
-the far part counts in it.
+the far part counts in it. It starts where the feature map's
+`phi(q) . phi(k)` is on the scale of the window's softmax terms.
 
 Another way to favour recent tokens is to let the state forget:
 `LinearAttention(..., decay="learned")` multiplies the state by a
@@ -34,8 +35,7 @@ In this example we:
 1. build small causal models that differ only in their attention
    layer: `LinearAttention(causal=True)`, the decaying
    `LinearAttention(causal=True, decay="learned")`, the hybrid
-   `LinearAttention(causal=True, local_window=W)` (twice: with its
-   default start and with a balanced one), and
+   `LinearAttention(causal=True, local_window=W)`, and
    `MultiHeadAttention(use_causal_mask=True)`;
 2. train them on a synthetic task with two parts: associative recall of
    key/value pairs seen long ago (beyond the window), and copying of the
@@ -182,7 +182,6 @@ KINDS = {
     "linear": "LinearAttention",
     "decay_learned": 'LinearAttention, decay="learned"',
     "hybrid": f"LinearAttention, local_window={WINDOW}",
-    "hybrid_balanced": f"  same, far_log_scale -log({KEY_DIM})",
     "softmax": "MultiHeadAttention",
 }
 
@@ -193,7 +192,7 @@ def make_attention(kind, name):
             num_heads=NUM_HEADS, key_dim=KEY_DIM, name=name
         )
     options = {}
-    if kind.startswith("hybrid"):
+    if kind == "hybrid":
         options["local_window"] = WINDOW
     if kind == "decay_learned":
         options["decay"] = "learned"
@@ -240,13 +239,6 @@ def build_model(kind):
         x = layers.LayerNormalization()(layers.Add()([x, f]))
     logits = layers.Dense(VOCAB_SIZE)(x)
     model = keras.Model(tokens, logits, name=f"{kind}_attention_lm")
-    if kind == "hybrid_balanced":
-        # With `elu_plus_one`, phi(q) . phi(k) starts near `key_dim` where
-        # the window's exp(q . k / sqrt(key_dim)) starts near 1: start the
-        # far part's weight on the window's scale.
-        for i in range(NUM_BLOCKS):
-            scale = model.get_layer(f"attention_{i}").far_log_scale
-            scale.assign(keras.ops.full(scale.shape, -np.log(KEY_DIM)))
     model.compile(
         optimizer=keras.optimizers.Adam(2e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -310,7 +302,7 @@ for kind, title in KINDS.items():
         verbose=0,
     )
     results[kind] = {"scores": tracker.scores, "times": tracker.times}
-    if kind.startswith("hybrid"):
+    if kind == "hybrid":
         # The weight of the far part against the window, as learned.
         for i in range(NUM_BLOCKS):
             scale = model.get_layer(f"attention_{i}").far_log_scale
@@ -369,13 +361,12 @@ for part in ("recall", "copy"):
     if softmax - linear > 0.05:
         closed = [
             (final[kind] - linear) / (softmax - linear)
-            for kind in ("hybrid", "hybrid_balanced", "decay_learned")
+            for kind in ("hybrid", "decay_learned")
         ]
         print(
             f"{part}: the hybrid closes {100 * closed[0]:.0f}% of the gap "
-            "between LinearAttention and MultiHeadAttention "
-            f"({100 * closed[1]:.0f}% with the balanced start); "
-            f'decay="learned" closes {100 * closed[2]:.0f}%.'
+            "between LinearAttention and MultiHeadAttention; "
+            f'decay="learned" closes {100 * closed[1]:.0f}%.'
         )
     else:
         print(
@@ -415,7 +406,6 @@ def forward_seconds(kind, length):
 print("\nForward pass of one attention layer, batch 1, milliseconds")
 print(f"{'attention':<32}" + "".join(f"{n:>10}" for n in LENGTHS))
 forward = {}
-# The balanced hybrid differs only in a starting value: the same cost.
 for kind in ("linear", "hybrid", "softmax"):
     forward[kind] = [forward_seconds(kind, n) for n in LENGTHS]
     print(
@@ -457,14 +447,11 @@ backend, the seed and the number of epochs. What to look for:
   `gamma` per head shows which way training moved each head from its
   RetNet start. Compare its row with the plain layer's on both parts.
 - **Balance**: both parts share one normaliser, weighted by the learned
-  `far_log_scale` printed after training. The window only counts once the
-  far part's weight is on the scale of the window's softmax terms. With
-  `elu_plus_one`, `phi(q) . phi(k)` starts near `key_dim` while each
-  window term starts near 1, and `far_log_scale` starts at 0: the far part
-  drowns the window, and the optimizer moves `far_log_scale` slowly. The
-  balanced row starts it at `-log(key_dim)` instead; compare the two
-  hybrid rows. (`"favor_plus"` estimates `exp(q . k / sqrt(key_dim))`, so
-  0 is its balanced start.)
+  `far_log_scale` printed after training. The window only counts if the
+  far part's weight is on the scale of the window's softmax terms, so the
+  layer starts it there for its feature map (for `elu_plus_one`, whose
+  `phi(q) . phi(k)` starts near `key_dim`, below zero); the printed values
+  show where training took it.
 - **Cost**: at the short training length, softmax attention is the
   cheapest per epoch (its attention matrix is small); at long
   lengths its time grows with the square of the length, while both

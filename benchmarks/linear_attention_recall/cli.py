@@ -1,6 +1,7 @@
 """Command line of the recall benchmark: see `benchmarks/README.md`."""
 
 import argparse
+import json
 import os
 import time
 
@@ -16,10 +17,14 @@ RESULTS = os.path.join(
     "recall",
 )
 DEFAULT_PAIRS = (8, 16)
-# Train steps per number of pairs: enough for `mha` to reach the target
-# accuracy at every size with some margin (see benchmarks/README.md).
-STEPS = {8: 600, 16: 1000}
-LEARNING_RATE = 2e-3
+# The cap of train steps per number of pairs: three times the steps that
+# `mha` needed to reach the target accuracy (see benchmarks/README.md).
+STEPS = {8: 1200, 16: 2400}
+# Each configuration trains at each rate; the best run counts.
+LEARNING_RATES = (1e-3, 3e-3, 1e-2)
+# The best configurations per size run again with the next seed, at their
+# best rate.
+SECOND_SEED_TOP = 4
 EVAL_COUNT = 1000
 EVAL_EVERY = 100
 FORWARD_LENGTH = 4096
@@ -27,6 +32,8 @@ FORWARD_REPEATS = 5
 QUICK = {
     "pairs": (8,),
     "steps": 30,
+    "learning_rates": (3e-3,),
+    "second_seed_top": 1,
     "eval_count": 200,
     "eval_every": 15,
     "forward_length": 512,
@@ -38,6 +45,8 @@ def _plan(args):
     """The sizes, steps per size and evaluation settings of this run."""
     plan = {
         "pairs": tuple(args.pairs or DEFAULT_PAIRS),
+        "learning_rates": LEARNING_RATES,
+        "second_seed_top": SECOND_SEED_TOP,
         "eval_count": EVAL_COUNT,
         "eval_every": EVAL_EVERY,
         "forward_length": FORWARD_LENGTH,
@@ -46,6 +55,8 @@ def _plan(args):
     if args.quick:
         plan.update(QUICK)
         plan["pairs"] = tuple(args.pairs or QUICK["pairs"])
+    if args.learning_rates:
+        plan["learning_rates"] = tuple(args.learning_rates)
     steps = {}
     for pairs in plan["pairs"]:
         count = args.steps or (QUICK["steps"] if args.quick else None)
@@ -61,7 +72,8 @@ def _plan(args):
 
 
 def run(args):
-    """Trains and times every configuration, then writes the results."""
+    """Trains every configuration at every rate, the best again with a
+    second seed, times them, then writes the results."""
     # Imported here: importing Keras starts the backend, after argparse.
     import keras
     from linear_attention_recall import report
@@ -79,7 +91,7 @@ def run(args):
             print(f"skipping {name}: {reason}", flush=True)
             skipped[name] = reason
     kind = "quick" if args.quick else "full"
-    if args.steps or args.pairs or args.configs:
+    if args.steps or args.pairs or args.configs or args.learning_rates:
         kind += ", custom"
     results = {
         "backend": backend,
@@ -88,7 +100,8 @@ def run(args):
         "machine": machine(),
         "versions": versions(keras),
         "seed": args.seed,
-        "learning_rate": LEARNING_RATE,
+        "learning_rates": list(plan["learning_rates"]),
+        "second_seed_top": plan["second_seed_top"],
         "batch": train.BATCH,
         "weight_decay": train.WEIGHT_DECAY,
         "warmup_steps": train.WARMUP_STEPS,
@@ -104,28 +117,43 @@ def run(args):
         "forward_ms": {},
     }
     names = [name for name in names if name not in skipped]
-    for pairs in plan["pairs"]:
-        for name in names:
+    # Runs of an interrupted run of the same plan, kept with `--resume`.
+    earlier = _earlier_runs(args, backend, plan) if args.resume else {}
+
+    def one(name, pairs, learning_rate, seed):
+        key = (name, pairs, learning_rate, seed)
+        result = earlier.get(key)
+        if result is None:
             began = time.time()
             result = train.train(
                 name,
                 pairs,
                 plan["steps"][pairs],
-                LEARNING_RATE,
-                args.seed,
+                learning_rate,
+                seed,
                 plan["eval_every"],
                 plan["eval_count"],
             )
             result["seconds"] = round(time.time() - began, 1)
-            results["runs"].append(result)
-            print(
-                f"{pairs} pairs, {name}: accuracy {result['accuracy']:.3f} "
-                f"(>= {train.TARGET_ACCURACY} at step "
-                f"{result['first_step_at_target']}), "
-                f"{result['train_ms_per_step']:.1f} ms/step, "
-                f"{result['seconds']:.0f} s",
-                flush=True,
-            )
+        results["runs"].append(result)
+        # After every run, so that `--resume` can take over.
+        report.write_json(results, args.out)
+        print(
+            f"{pairs} pairs, {name}, lr {learning_rate:g}, seed {seed}: "
+            f"accuracy {result['accuracy']:.3f} after {result['steps']} "
+            f"steps, {result['train_ms_per_step']:.1f} ms/step, "
+            f"{result['seconds']:.0f} s",
+            flush=True,
+        )
+
+    for pairs in plan["pairs"]:
+        for name in names:
+            for learning_rate in plan["learning_rates"]:
+                one(name, pairs, learning_rate, args.seed)
+    for pairs in plan["pairs"]:
+        best = report.best_runs(results["runs"], pairs, args.seed)
+        for run in best[: plan["second_seed_top"]]:
+            one(run["config"], pairs, run["learning_rate"], args.seed + 1)
     for name in names:
         results["forward_ms"][name] = train.forward_ms(
             name, plan["forward_length"], plan["forward_repeats"]
@@ -137,6 +165,22 @@ def run(args):
         )
     results["seconds"] = round(time.time() - start, 1)
     report.write(results, args.out)
+
+
+def _earlier_runs(args, backend, plan):
+    """The runs in `<out>/<backend>.json` with this plan's caps, by
+    `(config, pairs, learning_rate, seed)`."""
+    path = os.path.join(args.out, backend + ".json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as file:
+        runs = json.load(file)["runs"]
+    return {
+        (r["config"], r["pairs"], r["learning_rate"], r["seed"]): r
+        for r in runs
+        if r.get("max_steps") == plan["steps"].get(r["pairs"])
+        and r.get("eval_every") == plan["eval_every"]
+    }
 
 
 def _parser():
@@ -173,8 +217,21 @@ def _parser():
     parser.add_argument(
         "--steps",
         type=positive_int,
-        help="train steps at every size, instead of the defaults "
-        + ", ".join(f"{p} pairs: {s}" for p, s in STEPS.items()),
+        help="the cap of train steps at every size, instead of the "
+        "defaults " + ", ".join(f"{p} pairs: {s}" for p, s in STEPS.items()),
+    )
+    parser.add_argument(
+        "--learning-rates",
+        type=float,
+        nargs="+",
+        metavar="LR",
+        help="the rates of the sweep; default "
+        + " ".join(f"{r:g}" for r in LEARNING_RATES),
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs of this plan already in the output's JSON",
     )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--seed", type=int, default=0)

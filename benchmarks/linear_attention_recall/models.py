@@ -11,19 +11,27 @@ MLP_WIDTH = 128
 NUM_HEADS = 4
 HEAD_DIM = 16
 LOCAL_WINDOW = 8
-# The far part's weight for `elu_plus_one` starts at -log(key_dim), as the
-# layer's guide advises, so that its `phi(q) . phi(k)`, near key_dim at
-# first, starts on the scale of the window's `exp(s)`.
-FAR_LOG_SCALE = -math.log(HEAD_DIM)
+# The width of the short convolution of the `_conv` configurations.
+CONV_KERNEL_SIZE = 4
 BYTES_PER_ELEMENT = 4
 # Unit-scale token embeddings: with Keras's small default, softmax attention
 # sits far longer on the plateau where it only guesses unqueried values.
 TOKEN_STDDEV = 1.0
 POSITION_STDDEV = 0.02
 
+
+def _with_convolution(name, options):
+    """The configuration, then, for `LinearAttention`, the same with the
+    short convolution as `<name>_conv`."""
+    yield name, options
+    if options is not None:
+        conv = {**options, "conv_kernel_size": CONV_KERNEL_SIZE}
+        yield f"{name}_conv", conv
+
+
 # Name -> the `LinearAttention` options of that configuration, or `None` for
-# `MultiHeadAttention`. `far_log_scale` is not an option of the layer: it
-# is assigned after the layer is built.
+# `MultiHeadAttention`; each `LinearAttention` configuration also runs with
+# the short convolution, as `<name>_conv`, listed after it.
 CONFIGS = {
     "mha": None,
     "elu_plus_one": {},
@@ -32,15 +40,15 @@ CONFIGS = {
     "hedgehog": {"feature_map": "hedgehog"},
     "random_fourier": {"feature_map": "random_fourier"},
     "taylor": {"feature_map": "taylor"},
-    "local_window": {
-        "local_window": LOCAL_WINDOW,
-        "far_log_scale": FAR_LOG_SCALE,
-    },
+    "local_window": {"local_window": LOCAL_WINDOW},
     "decay_learned": {"decay": "learned"},
     "grouped": {"num_key_value_heads": 1},
-    # `far_log_scale` at its default, 0: hedgehog's features sum to 1, so
-    # its `phi(q) . phi(k)` starts below the window's `exp(s)`, not above.
     "hedgehog_local": {"feature_map": "hedgehog", "local_window": LOCAL_WINDOW},
+}
+CONFIGS = {
+    name: variant
+    for name, options in CONFIGS.items()
+    for name, variant in _with_convolution(name, options)
 }
 QUICK_CONFIGS = ("mha", "elu_plus_one")
 
@@ -90,7 +98,6 @@ def attention(name):
     options = CONFIGS[name]
     if options is None:
         return SelfAttention()
-    options = {k: v for k, v in options.items() if k != "far_log_scale"}
     return keras.layers.LinearAttention(
         NUM_HEADS, HEAD_DIM, causal=True, **options
     )
@@ -101,19 +108,9 @@ def unavailable(name):
     try:
         layer = attention(name)
         layer(keras.ops.zeros((1, 8, WIDTH)))
-        prepare(name, layer)
     except (TypeError, ValueError, AttributeError) as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0]}"
     return None
-
-
-def prepare(name, layer):
-    """Sets a built layer's starting weights that its options cannot."""
-    scale = (CONFIGS[name] or {}).get("far_log_scale")
-    if scale is not None:
-        layer.far_log_scale.assign(
-            keras.ops.full(layer.far_log_scale.shape, scale)
-        )
 
 
 def model(name, length):
@@ -139,8 +136,6 @@ def model(name, length):
         x = x + keras.layers.Dense(WIDTH)(h)
     x = keras.layers.LayerNormalization()(x)
     logits = keras.layers.Dense(task.VOCABULARY)(x)
-    for layer in layers:
-        prepare(name, layer)
     return keras.Model(tokens, logits), layers
 
 

@@ -20,6 +20,7 @@ CSV_FIELDS = [
     "options",
     "pairs",
     "length",
+    "max_steps",
     "steps",
     "accuracy",
     "first_step_at_target",
@@ -36,37 +37,73 @@ def _cell(value, text="{}"):
     return "-" if value is None else text.format(value)
 
 
+def best_runs(runs, pairs, seed):
+    """The best run of each configuration at `pairs` pairs and `seed`, over
+    the learning rates, best first: by accuracy, then by fewer steps."""
+    best = {}
+    for run in runs:
+        if (run["pairs"], run["seed"]) != (pairs, seed):
+            continue
+        other = best.get(run["config"])
+        if other is None or _rank(run) < _rank(other):
+            best[run["config"]] = run
+    return sorted(best.values(), key=_rank)
+
+
+def _rank(run):
+    return (-run["accuracy"], run["steps"])
+
+
 def markdown(results):
     """The table of one run: a row per configuration, columns per size."""
     sizes = sorted({run["pairs"] for run in results["runs"]})
-    runs = {(run["config"], run["pairs"]): run for run in results["runs"]}
+    seed = results["seed"]
+    best = {
+        pairs: {r["config"]: r for r in best_runs(results["runs"], pairs, seed)}
+        for pairs in sizes
+    }
+    again = {
+        (r["config"], r["pairs"]): r
+        for r in results["runs"]
+        if r["seed"] == seed + 1
+    }
     names = [n for n in results["configs"] if n not in results["skipped"]]
     steps = ", ".join(f"{p} pairs: {results['steps'][str(p)]}" for p in sizes)
+    rates = ", ".join(f"{r:g}" for r in results["learning_rates"])
     versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
     target = results["target_accuracy"]
     header = ["configuration"]
     for pairs in sizes:
         header += [
             f"acc {pairs} pairs",
-            f"step >= {target} ({pairs})",
+            f"lr ({pairs})",
+            f"steps ({pairs})",
+            f"seed {seed + 1} ({pairs})",
             f"state bytes ({pairs})",
-            f"train ms/step ({pairs})",
         ]
-    header += ["params", f"forward ms (T={results['forward_length']})"]
+    header += [
+        f"train ms/step ({sizes[0]})",
+        "params",
+        f"forward ms (T={results['forward_length']})",
+    ]
     lines = [
         f"### MQAR recall, {results['backend']} ({results['machine']})",
         "",
         f"{results['date']} ({results['run']}); {versions}",
         "",
-        f"Steps: {steps}; batch {results['batch']}, AdamW (lr "
-        f"{results['learning_rate']:g}, weight decay "
-        f"{results['weight_decay']:g}, {results['warmup_steps']} warmup "
-        "steps, then constant), seed "
-        f"{results['seed']}; accuracy on {results['eval_count']} held-out "
-        f"sequences, evaluated every {results['eval_every']} steps. "
-        "State: the decode state after the last position, float32, both "
-        "layers. Params: at the smallest size (each further position adds "
-        f"{models.WIDTH}). Guessing among the values not yet queried scores "
+        f"Each configuration trained at learning rates {rates} (AdamW, "
+        f"weight decay {results['weight_decay']:g}, "
+        f"{results['warmup_steps']} warmup steps, then constant; batch "
+        f"{results['batch']}) until its accuracy on "
+        f"{results['eval_count']} held-out sequences, evaluated every "
+        f"{results['eval_every']} steps, reached {target}, or for at most "
+        f"{steps} steps; seed {seed}. `acc`: the best run's final accuracy, "
+        f"`lr` its rate, `steps` the steps it took (`<` the cap if it "
+        f"reached {target}). `seed {seed + 1}`: the best "
+        f"{results['second_seed_top']} per size again at their rate, "
+        "accuracy / steps. State: the decode state after the last "
+        "position, float32, both layers. Guessing among the values not yet "
+        "queried scores "
         + ", ".join(
             f"{task.elimination_accuracy(p):.3f} ({p} pairs)" for p in sizes
         )
@@ -78,15 +115,20 @@ def markdown(results):
     for name in names:
         cells = [name]
         for pairs in sizes:
-            run = runs.get((name, pairs), {})
+            run = best[pairs].get(name, {})
+            other = again.get((name, pairs))
             cells += [
                 _cell(run.get("accuracy"), "{:.3f}"),
-                _cell(run.get("first_step_at_target")),
+                _cell(run.get("learning_rate"), "{:g}"),
+                _cell(run.get("steps")),
+                "-"
+                if other is None
+                else f"{other['accuracy']:.3f} / {other['steps']}",
                 _cell(run.get("state_bytes"), "{:,}"),
-                _cell(run.get("train_ms_per_step"), "{:.1f}"),
             ]
-        first = runs.get((name, sizes[0]), {})
+        first = best[sizes[0]].get(name, {})
         cells += [
+            _cell(first.get("train_ms_per_step"), "{:.1f}"),
             _cell(first.get("params"), "{:,}"),
             _cell(results["forward_ms"].get(name), "{:.1f}"),
         ]
@@ -101,9 +143,8 @@ def markdown(results):
 def _csv_rows(results):
     common = {
         key: results[key]
-        for key in ("date", "run", "backend", "machine", "seed", "batch")
+        for key in ("date", "run", "backend", "machine", "batch")
     }
-    common["learning_rate"] = results["learning_rate"]
     common["versions"] = "; ".join(
         f"{k} {v}" for k, v in results["versions"].items()
     )
@@ -132,13 +173,15 @@ def plot(results, path):
     for axis, pairs in zip(axes, sizes):
         # Labels of points at the same place go one under the other.
         placed = {}
-        for run in results["runs"]:
-            if run["pairs"] != pairs:
-                continue
+        for run in best_runs(results["runs"], pairs, results["seed"]):
             point = (run["state_bytes"], run["accuracy"])
             axis.plot(
                 *point,
-                "^" if run["config"] == "mha" else "o",
+                "^"
+                if run["config"] == "mha"
+                else "s"
+                if run["config"].endswith("_conv")
+                else "o",
                 color=colour[run["config"]],
             )
             spot = (run["state_bytes"], round(run["accuracy"], 1))
@@ -173,9 +216,18 @@ def plot(results, path):
     figure.savefig(path, dpi=90)
 
 
+def write_json(results, out):
+    """Writes `<backend>.json` into `out`."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, results["backend"] + ".json")
+    with open(path + ".tmp", "w") as file:
+        json.dump(results, file, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def write(results, out):
     """Writes `<backend>.md`, `.csv`, `.json` and `.png` into `out`."""
-    os.makedirs(out, exist_ok=True)
+    write_json(results, out)
     base = os.path.join(out, results["backend"])
     text = markdown(results)
     with open(base + ".md", "w") as file:
@@ -184,8 +236,6 @@ def write(results, out):
         writer = csv.DictWriter(file, CSV_FIELDS)
         writer.writeheader()
         writer.writerows(_csv_rows(results))
-    with open(base + ".json", "w") as file:
-        json.dump(results, file, indent=1)
     plot(results, base + ".png")
     print(text, flush=True)
     print(f"Wrote {base}.md, .csv, .json and .png", flush=True)

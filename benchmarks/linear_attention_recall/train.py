@@ -49,6 +49,8 @@ def train(name, pairs, steps, learning_rate, seed, eval_every, eval_count):
     steps from the seed `(seed, pairs, chunk)`, the same for every
     configuration; the held-out set is `eval_count` sequences from `(seed,
     pairs, 2**31)`, a chunk never reached, evaluated after every chunk.
+    Training stops once the held-out accuracy reaches `TARGET_ACCURACY`,
+    or after `steps` steps.
     """
     length = task.length(pairs)
     keras.utils.set_random_seed(seed)
@@ -82,15 +84,21 @@ def train(name, pairs, steps, learning_rate, seed, eval_every, eval_count):
         chunk_ms.append(1000 * (time.perf_counter() - start) / size)
         done += size
         history.append((done, evaluate(model, *held_out)))
-    reached = [step for step, value in history if value >= TARGET_ACCURACY]
+        if history[-1][1] >= TARGET_ACCURACY:
+            break
+    reached = history[-1][1] >= TARGET_ACCURACY
     return {
         "config": name,
         "pairs": pairs,
         "length": length,
-        "steps": steps,
+        "learning_rate": learning_rate,
+        "seed": seed,
+        "max_steps": steps,
+        "eval_every": eval_every,
+        "steps": done,
         "accuracy": history[-1][1],
         "history": history,
-        "first_step_at_target": reached[0] if reached else None,
+        "first_step_at_target": done if reached else None,
         # The first chunk's time includes compiling the train step.
         "train_ms_per_step": float(np.median(chunk_ms[1:] or chunk_ms)),
         "params": model.count_params(),
@@ -114,7 +122,6 @@ def forward_ms(name, length, repeats):
     layer = models.attention(name)
     x = cases.on_backend(cases.inputs(length, models.WIDTH))
     layer(x)
-    models.prepare(name, layer)
     call = cases.compile_call(layer)
     call(x)
     call(x)
