@@ -102,6 +102,8 @@ DROPOUT_RECOVERY_RTOL = 1e-3
 # estimate from 2 * 70 * 8 = 1120 draws (standard deviation 0.013 at rate
 # 0.25), within ~4 standard deviations.
 DROPOUT_FRACTION_ATOL = 0.05
+# Quantized projections against the same float32 weights.
+QUANTIZED_RTOL = {"int8": 5e-2, "int4": 0.3}
 
 # A loss scale below 1 for float16 gradients from inputs 100x larger than
 # `random_inputs`, whose exact projection gradients exceed float16's largest
@@ -243,6 +245,84 @@ class _StreamingModel(models.Model):
 
 class LinearAttentionRobustnessTest(testing.TestCase):
     # Long sequences, streams and intermediate tensors.
+
+    # LoRA and quantization of the projections.
+
+    @parameterized.named_parameters(
+        ("plain", {}, 12, 4),
+        # The decay logits and the bandwidths train beside the adapters.
+        (
+            "decay_random_fourier",
+            {"decay": "learned", "feature_map": "random_fourier"},
+            14,
+            5,
+        ),
+    )
+    @pytest.mark.requires_trainable_backend
+    def test_lora(self, kwargs, num_trainable, num_non_trainable):
+        x = random_inputs()
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = make_layer(causal=True, build=False, **kwargs)
+        model = models.Model(inputs, layer(inputs))
+        before = model(x)
+        for name in ("query", "key", "value", "output"):
+            getattr(layer, f"{name}_dense").enable_lora(2)
+        # Per projection: the bias and the two adapters train, the kernel
+        # is frozen; the adapters start at zero.
+        self.assertLen(layer.trainable_weights, num_trainable)
+        self.assertLen(layer.non_trainable_weights, num_non_trainable)
+        self.assertAllClose(model(x), before)
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, np.ones((BATCH, LENGTH, INPUT_DIM)), epochs=2, verbose=0)
+        expected = backend.convert_to_numpy(model(x))
+        self.assertNotAllClose(expected, before)
+        path = os.path.join(self.get_temp_dir(), "lora.keras")
+        model.save(path)
+        self.assertAllClose(saving.load_model(path)(x), expected)
+        # The weights file loads into a model without LoRA.
+        path = os.path.join(self.get_temp_dir(), "lora.weights.h5")
+        model.save_weights(path)
+        plain = models.Model(inputs, make_layer(causal=True, **kwargs)(inputs))
+        plain.load_weights(path)
+        self.assertAllClose(plain(x), expected)
+
+    @parameterized.named_parameters(("int8", "int8"), ("int4", "int4"))
+    def test_quantize(self, mode):
+        # `Model.quantize` quantizes the four projections; the attention
+        # core and its state are unchanged.
+        if mode == "int4" and backend.backend() == "openvino":
+            self.skipTest(
+                "OpenVINO compiles int4 projections and the chunkwise form "
+                "into one graph with wrong results."
+            )
+        x = random_inputs()
+        inputs = layers.Input((None, INPUT_DIM))
+        layer = make_layer(causal=True, build=False)
+        model = models.Model(inputs, layer(inputs))
+        float_outputs = backend.convert_to_numpy(model(x))
+        model.quantize(mode)
+        for dense in (layer.query_dense, layer.output_dense):
+            self.assertEqual(dense.quantization_mode, mode)
+            # int4 values are packed in pairs into int8.
+            self.assertDType(dense._kernel, "int8")
+        y = model(x)
+        self.assertDType(y, "float32")
+        assert_close(y, float_outputs, QUANTIZED_RTOL[mode])
+        assert_close(stream(layer, x, [1, 30, 39])[0], y, FLOAT32_RTOL)
+        layer.execution_mode = "recurrent"
+        assert_close(layer(x), y, FLOAT32_RTOL)
+        layer.execution_mode = "auto"
+        # The configuration records the projections' policies, so that the
+        # model loads quantized.
+        self.assertEqual(
+            sorted(layer.get_config()["projection_dtypes"]),
+            ["attention_output", "key", "query", "value"],
+        )
+        path = os.path.join(self.get_temp_dir(), "quantized.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        self.assertEqual(loaded.layers[1].query_dense.quantization_mode, mode)
+        self.assertAllClose(loaded(x), y)
 
     @parameterized.named_parameters(
         ("default", None, True),

@@ -232,10 +232,8 @@ class LinearAttention(Layer):
             dtype=self.accumulator_dtype,
         )
         self.num_features = self._feature_map.num_features
-        self.local_window = None if local_window is None else int(local_window)
-        self.conv_kernel_size = (
-            None if conv_kernel_size is None else int(conv_kernel_size)
-        )
+        self.local_window = _optional_int(local_window)
+        self.conv_kernel_size = _optional_int(conv_kernel_size)
         self.decay = _check_decay(decay, self.num_key_value_heads)
         self._check_options(num_key_value_heads, decay)
         self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
@@ -348,23 +346,7 @@ class LinearAttention(Layer):
             )
         self._conv_kernels = None
         if self.conv_kernel_size is not None:
-            self._conv_kernels = [
-                self.add_weight(
-                    name=f"{name}_conv_kernel",
-                    shape=(self.conv_kernel_size, count, size),
-                    # As PyTorch's `Conv1d`: uniform within 1/sqrt(fan_in).
-                    initializer=initializers.RandomUniform(
-                        -(self.conv_kernel_size**-0.5),
-                        self.conv_kernel_size**-0.5,
-                    ),
-                    autocast=False,
-                )
-                for name, count, size in (
-                    ("query", heads, self.key_dim),
-                    ("key", key_value_heads, self.key_dim),
-                    ("value", key_value_heads, self.value_dim),
-                )
-            ]
+            self._conv_kernels = self._add_conv_kernels()
         if self.decay == "learned":
             # gamma = sigmoid(decay_logit) stays in (0, 1).
             self.decay_logit = self.add_weight(
@@ -378,6 +360,28 @@ class LinearAttention(Layer):
             self._dropout_layer = Dropout(
                 rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
             )
+
+    def _add_conv_kernels(self):
+        """The short convolution's filters, `(conv_kernel_size, heads,
+        size)`, of the queries, keys and values."""
+        width = self.conv_kernel_size
+        heads, key_value_heads = self.num_heads, self.num_key_value_heads
+        return [
+            self.add_weight(
+                name=f"{name}_conv_kernel",
+                shape=(width, count, size),
+                # As PyTorch's `Conv1d`: uniform within 1/sqrt(fan_in).
+                initializer=initializers.RandomUniform(
+                    -(width**-0.5), width**-0.5
+                ),
+                autocast=False,
+            )
+            for name, count, size in (
+                ("query", heads, self.key_dim),
+                ("key", key_value_heads, self.key_dim),
+                ("value", key_value_heads, self.value_dim),
+            )
+        ]
 
     def redraw_random_features(self, seed=None):
         """Draws new random features (`"favor_plus"`, `"random_fourier"`).
@@ -549,21 +553,9 @@ class LinearAttention(Layer):
         if self.causal:
             state = initial_state or self._zero_state(ops.shape(inputs)[0])
             state = tuple(ops.cast(s, dtype) for s in state)
-        # (batch, time, heads, key_dim or value_dim) in the accumulator
-        # dtype; keys and values have `num_key_value_heads` heads.
-        query = ops.cast(self._query_dense(inputs), dtype)
-        key = ops.cast(self._key_dense(inputs), dtype)
-        value = ops.cast(self._value_dense(inputs), dtype)
-        conv_state = {}
-        if self._conv_kernels is not None:
-            previous = (None,) * 3
-            if self.causal:
-                state = dict(zip(self._state_shapes(), state))
-                previous = [state.pop(name) for name in _CONV_STATE]
-                state = tuple(state.values())
-            (query, key, value), conv_state = self._convolve(
-                (query, key, value), mask, previous
-            )
+        (query, key, value), state, conv_state = self._project(
+            inputs, mask, state
+        )
         # The values masked, so that no product can bring masked steps back.
         value = _masked(value, mask)
         valid = None if mask is None else ops.cast(mask, dtype)
@@ -576,15 +568,13 @@ class LinearAttention(Layer):
             outputs, state = self._local_window(query, key, value, valid, state)
         else:
             outputs, state = self._linear(query, key, value, valid, state)
-        # Nothing computed at padding reaches the output projection, e.g.
-        # the input statistics that GPTQ quantization collects.
         if conv_state:
             # In the order of `_state_shapes`: the sums, the convolution's
             # steps, then the window.
             sums = 2 if self.use_normalizer else 1
-            state = tuple(
-                state[:sums] + tuple(conv_state.values()) + state[sums:]
-            )
+            state = state[:sums] + tuple(conv_state.values()) + state[sums:]
+        # Nothing computed at padding reaches the output projection, e.g.
+        # the input statistics that GPTQ quantization collects.
         outputs = ops.cast(_masked(outputs, mask), self.compute_dtype)
         if self._dropout_layer is not None:
             outputs = self._dropout_layer(outputs, training=training)
@@ -597,19 +587,36 @@ class LinearAttention(Layer):
             return outputs, state
         return outputs
 
-    def _convolve(self, projections, mask, previous):
-        """The short convolution of each projection, masked steps entering
-        as zeros; returns them and, if causal, the last
-        `conv_kernel_size - 1` steps of each."""
+    def _project(self, inputs, mask, state):
+        """The queries, keys and values `(batch, time, heads, key_dim or
+        value_dim)` in the accumulator dtype (keys and values of
+        `num_key_value_heads`), through the short convolution if any.
+
+        Returns them, the state without the convolution's steps, and
+        those steps after the call (a dict by name; empty if none).
+        """
+        dtype = self.accumulator_dtype
+        projections = [
+            ops.cast(dense(inputs), dtype)
+            for dense in (self._query_dense, self._key_dense, self._value_dense)
+        ]
+        if self._conv_kernels is None:
+            return projections, state, {}
+        previous = (None,) * 3
+        if self.causal:
+            state = dict(zip(self._state_shapes(), state))
+            previous = [state.pop(name) for name in _CONV_STATE]
+            state = tuple(state.values())
         outputs, recent = [], {}
         for x, kernel, before, name in zip(
             projections, self._conv_kernels, previous, _CONV_STATE
         ):
+            # Masked steps enter as zeros.
             x, recent[name] = core.short_convolution(
                 _masked(x, mask), ops.cast(kernel, x.dtype), before
             )
             outputs.append(x)
-        return outputs, recent if self.causal else {}
+        return outputs, state, recent if self.causal else {}
 
     def _readout(self, numerator, denominator):
         return core.normalize(
@@ -924,6 +931,10 @@ def _is_real(value):
     return isinstance(value, numbers.Real) and not isinstance(
         value, (bool, np.bool_)
     )
+
+
+def _optional_int(value):
+    return None if value is None else int(value)
 
 
 def _is_positive_int(value):
