@@ -40,8 +40,8 @@ class LinearAttention(Layer):
     across calls, for streaming and generation. For sequences of a few
     hundred tokens or fewer, `MultiHeadAttention` is usually faster, and it
     remains the choice for exact recall of earlier tokens; with linear
-    attention, `feature_map="taylor"` at a small `key_dim`, or
-    `local_window`, recall far better than the default map.
+    attention, `conv_kernel_size=4`, and `feature_map="taylor"` at a small
+    `key_dim` for more items, recall far better.
 
     Args:
         num_heads: Number of attention heads.
