@@ -75,7 +75,7 @@ class RecallBenchmarkTest(testing.TestCase):
             self.assertLessEqual(run["accuracy"], 1.0)
             self.assertGreater(run["train_ms_per_step"], 0)
             self.assertGreater(run["params"], 0)
-        self.assertEqual(results["forward_length"], 512)
+        self.assertEqual(results["forward_length"], 128)
         self.assertEqual(set(results["forward_ms"]), {"mha", "elu_plus_one"})
         self.assertTrue(all(ms > 0 for ms in results["forward_ms"].values()))
         with open(os.path.join(out, name + ".md")) as file:
@@ -83,7 +83,7 @@ class RecallBenchmarkTest(testing.TestCase):
         self.assertIn(
             "| configuration | acc 8 pairs | lr (8) | steps (8) | "
             "seed 1 (8) | state bytes (8) | train ms/step (8) | params | "
-            "forward ms (T=512) |",
+            "forward ms (T=128) |",
             table,
         )
         (row,) = [

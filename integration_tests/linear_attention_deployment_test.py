@@ -101,12 +101,15 @@ def _upstream_failure(format, kwargs):
             "`XlaCallModule` op, which OpenVINO's TensorFlow frontend has "
             "no conversion rule for."
         )
-    chunked = kwargs.get("causal") or kwargs.get("local_window")
-    if backend.backend() == "jax" and format == "onnx" and chunked:
+    sliced = any(
+        kwargs.get(option)
+        for option in ("causal", "local_window", "conv_kernel_size")
+    )
+    if backend.backend() == "jax" and format == "onnx" and sliced:
         return (
             "jax2onnx cannot lower shapes computed from a symbolic length "
-            "(padding to whole chunks); causal MultiHeadAttention needs "
-            "static lengths in jax2onnx too."
+            "(padding to whole chunks, the convolution's padded steps); "
+            "causal MultiHeadAttention needs static lengths in jax2onnx too."
         )
     return None
 

@@ -46,7 +46,10 @@ CONFIGS = {
     ),
     "hedgehog": dict(feature_map="hedgehog", num_key_value_heads=1),
 }
-BACKENDS = ("tensorflow", "jax", "torch")
+# Models saved on each training backend load on the next one of the
+# cycle: every backend both saves and loads (the same backend is checked
+# by the save-and-load tests).
+NEXT_BACKEND = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}
 
 TRAIN_SAMPLES = 512
 EVAL_SAMPLES = 256
@@ -373,12 +376,10 @@ def test_redraw_random_features(favor_plus_lm):
 
 
 @pytest.mark.requires_trainable_backend
-@pytest.mark.parametrize("target", BACKENDS)
-def test_models_saved_here_load_on_other_backends(
-    favor_plus_lm, hedgehog_lm, tmp_path, target
+def test_models_saved_here_load_on_the_next_backend(
+    favor_plus_lm, hedgehog_lm, tmp_path
 ):
-    if target == backend():
-        pytest.skip("same backend: see test_save_and_load")
+    target = NEXT_BACKEND[backend()]
     inputs_path = os.path.join(tmp_path, "inputs.npy")
     np.save(inputs_path, favor_plus_lm.x_eval)
     trained_models = (favor_plus_lm, hedgehog_lm)

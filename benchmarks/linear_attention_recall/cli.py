@@ -34,10 +34,10 @@ QUICK = {
     "steps": 30,
     "learning_rates": (3e-3,),
     "second_seed_top": 1,
-    "eval_count": 200,
+    "eval_count": 100,
     "eval_every": 15,
-    "forward_length": 512,
-    "forward_repeats": 2,
+    "forward_length": 128,
+    "forward_repeats": 1,
 }
 
 
