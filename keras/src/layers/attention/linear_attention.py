@@ -569,10 +569,10 @@ class LinearAttention(Layer):
         else:
             outputs, state = self._linear(query, key, value, valid, state)
         if conv_state:
-            # In the order of `_state_shapes`: the sums, the convolution's
-            # steps, then the window.
-            sums = 2 if self.use_normalizer else 1
-            state = state[:sums] + tuple(conv_state.values()) + state[sums:]
+            # Back into the order of `_state_shapes`, by name.
+            names = [n for n in self._state_shapes() if n not in conv_state]
+            named = {**dict(zip(names, state)), **conv_state}
+            state = tuple(named[name] for name in self._state_shapes())
         # Nothing computed at padding reaches the output projection, e.g.
         # the input statistics that GPTQ quantization collects.
         outputs = ops.cast(_masked(outputs, mask), self.compute_dtype)

@@ -1163,42 +1163,6 @@ class LinearAttentionTest(testing.TestCase):
                 [s.dtype for s in spec[1]], ["float32"] * len(state)
             )
 
-    @parameterized.named_parameters(
-        ("favor_plus", "favor_plus"), ("random_fourier", "random_fourier")
-    )
-    def test_redraw_random_features(self, feature_map):
-        # Drawn from the seed (the map's test checks how), redrawn only on
-        # request, from a seed or not, and saved with the model, not drawn
-        # again from the seed when it loads.
-        layer = _layer(feature_map=feature_map, num_features=8, seed=1)
-        other = _layer(feature_map=feature_map, num_features=8, seed=2)
-        ours = layer.feature_map_layer
-        theirs = other.feature_map_layer.random_features
-        self.assertFalse(ours.random_features.trainable)
-        self.assertNotAllClose(ours.random_features, theirs)
-        x = _inputs()
-        before = layer(x)
-        layer.redraw_random_features(seed=2)
-        self.assertAllEqual(ours.random_features, theirs)
-        self.assertNotAllClose(layer(x), before)
-        layer.redraw_random_features()
-        self.assertNotAllClose(ours.random_features, theirs)
-        inputs = layers.Input((None, INPUT_DIM))
-        model = models.Model(inputs, layer(inputs))
-        path = os.path.join(self.get_temp_dir(), "redrawn.keras")
-        model.save(path)
-        loaded = saving.load_model(path).layers[1]
-        self.assertAllEqual(
-            loaded.feature_map_layer.random_features, ours.random_features
-        )
-        self.assertAllEqual(loaded(x), layer(x))
-        with self.assertRaisesRegex(ValueError, "favor_plus"):
-            _layer().redraw_random_features()
-        with self.assertRaisesRegex(ValueError, "built=False"):
-            _layer(
-                feature_map=feature_map, build=False
-            ).redraw_random_features()
-
     def test_docstring_examples(self):
         import keras
 
