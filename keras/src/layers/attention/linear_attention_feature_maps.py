@@ -74,11 +74,10 @@ class FeatureMap(Layer):
                 "`num_features` only applies to feature_map='favor_plus', "
                 "'hedgehog' or 'random_fourier'; 'taylor' has "
                 "`1 + key_dim * (key_dim + 3) / 2` features, 'cosformer' "
-                "`2 * key_dim` and the other feature maps `key_dim`. "
+                "`2 * key_dim`, 'elu_plus_one' and 'relu' `key_dim`. "
                 f"Received: num_features={num_features!r} with "
                 f"feature_map={self.map_name!r}"
             )
-        return None
 
     @property
     def map_name(self):
@@ -87,7 +86,7 @@ class FeatureMap(Layer):
     @property
     def size(self):
         """The number of features of each head."""
-        return self.key_dim
+        return self.num_features or self.key_dim
 
     @property
     def initial_far_log_scale(self):
@@ -98,7 +97,6 @@ class FeatureMap(Layer):
         return 0.0
 
     def build(self, input_shape):
-        """`input_shape`: `(batch, time, num_key_value_heads, key_dim)`."""
         self.heads = input_shape[2]
 
     def features(self, x, positions=None, length=None, stabilize=False):
@@ -146,7 +144,8 @@ class EluPlusOne(FeatureMap):
     @property
     def initial_far_log_scale(self):
         # E[elu(x) + 1] of a standard normal x, squared, per feature.
-        mean = 0.5 + (2 * math.pi) ** -0.5 + math.exp(0.5) * _normal_cdf(-1)
+        cdf = 0.5 * math.erfc(1 / 2**0.5)  # P(x < -1)
+        mean = 0.5 + (2 * math.pi) ** -0.5 + math.exp(0.5) * cdf
         return _LOG_MEAN_EXP - math.log(self.key_dim * mean**2)
 
 
@@ -179,10 +178,8 @@ class CosFormer(ReLU):
             length = ops.shape(x)[1]
             # Integers, cast: TensorFlow has no float16 range.
             positions = ops.arange(length)
-        angle = ops.cast(positions, x.dtype) * (
-            0.5 * math.pi / ops.cast(length, x.dtype)
-        )
-        angle = ops.expand_dims(angle, (1, 2))
+        scale = 0.5 * math.pi / ops.cast(length, x.dtype)
+        angle = ops.expand_dims(ops.cast(positions, x.dtype) * scale, (1, 2))
         features = super().features(x)[0]
         sin, cos = _sin_cos(angle)
         return ops.concatenate([features * cos, features * sin], -1), None
@@ -216,17 +213,11 @@ class Taylor(FeatureMap):
         scale = np.where(rows == columns, 0.5**0.5, 1.0) / d**0.5
         # Row by row, in the order of `np.triu_indices`: slices, not a
         # gather (OpenVINO cannot convert PyTorch's `take`).
-        pairs = ops.concatenate(
-            [x[..., i : i + 1] * x[..., i:] for i in range(d)], axis=-1
-        )
-        return ops.concatenate(
-            [
-                ops.ones_like(x[..., :1]),
-                x * d**-0.25,
-                pairs * ops.convert_to_tensor(scale, dtype=x.dtype),
-            ],
-            axis=-1,
-        ), None
+        pairs = [x[..., i : i + 1] * x[..., i:] for i in range(d)]
+        pairs = ops.concatenate(pairs, axis=-1)
+        pairs = pairs * ops.convert_to_tensor(scale, dtype=x.dtype)
+        ones = ops.ones_like(x[..., :1])
+        return ops.concatenate([ones, x * d**-0.25, pairs], axis=-1), None
 
 
 class _SizedFeatureMap(FeatureMap):
@@ -251,15 +242,10 @@ class _SizedFeatureMap(FeatureMap):
         if self.paired and num_features % 2:
             raise ValueError(
                 f"`num_features` must be even for feature_map="
-                f"{self.map_name!r} (the map returns two halves: "
-                "`[W x, -W x]` for 'hedgehog', sines and cosines for "
-                f"'random_fourier'). Received: num_features={num_features}"
+                f"{self.map_name!r}, whose features come in two halves. "
+                f"Received: num_features={num_features}"
             )
         return int(num_features)
-
-    @property
-    def size(self):
-        return self.num_features
 
 
 class _RandomFeatureMap(_SizedFeatureMap):
@@ -281,12 +267,9 @@ class _RandomFeatureMap(_SizedFeatureMap):
 
     def redraw(self, seed=None):
         """Draws new random features; `seed` as the layer's."""
-        features = orthogonal_random_features(
-            *self.random_features.shape, seed=seed
-        )
-        self.random_features.assign(
-            ops.cast(features, self.random_features.dtype)
-        )
+        weight = self.random_features
+        features = orthogonal_random_features(*weight.shape, seed=seed)
+        weight.assign(ops.cast(features, weight.dtype))
 
 
 class FavorPlus(_RandomFeatureMap):
@@ -299,10 +282,8 @@ class FavorPlus(_RandomFeatureMap):
         # exp(w . x - |x|^2 / 2) / sqrt(m) of x / key_dim**0.25.
         x = x * self.key_dim**-0.25
         features = ops.cast(self.random_features, x.dtype)
-        exponent = ops.einsum("bthd,dm->bthm", x, features)
-        exponent = exponent - 0.5 * ops.sum(
-            ops.square(x), axis=-1, keepdims=True
-        )
+        norms = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)
+        exponent = ops.einsum("bthd,dm->bthm", x, features) - norms
         log_scale = None
         if stabilize and 0 not in x.shape:
             # Per token, so that chunked runs agree; `max` of an empty
@@ -334,14 +315,12 @@ class RandomFourier(_RandomFeatureMap):
         )
 
     def features(self, x, positions=None, length=None, stabilize=False):
-        x = x / ops.sqrt(
-            ops.sum(ops.square(x), axis=-1, keepdims=True) + _UNIT_EPSILON
-        )
+        squares = ops.sum(ops.square(x), axis=-1, keepdims=True)
+        x = x / ops.sqrt(squares + _UNIT_EPSILON)
         bandwidth = ops.exp(self._per_head(self.log_bandwidth, x))
         features = ops.cast(self.random_features, x.dtype)
-        x = ops.einsum("bthd,dm->bthm", x, features) / ops.expand_dims(
-            bandwidth, 1
-        )
+        x = ops.einsum("bthd,dm->bthm", x, features)
+        x = x / ops.expand_dims(bandwidth, 1)
         features = ops.concatenate(_sin_cos(x), axis=-1)
         return features * (self.num_features // 2) ** -0.5, None
 
@@ -363,11 +342,20 @@ class Hedgehog(_SizedFeatureMap):
         self.kernel = self.add_weight(
             name="kernel",
             shape=(self.heads, self.key_dim, self.num_features // 2),
-            initializer=_identity_per_head,
+            # Identity matrices, so that `phi(x)` starts as
+            # `softmax([x, -x])`, where every feature of x counts.
+            initializer=lambda shape, dtype=None: ops.convert_to_tensor(
+                np.tile(np.eye(*shape[1:]), (shape[0], 1, 1)), dtype
+            ),
             regularizer=self.kernel_regularizer,
-            constraint=None if constraint is None else _PerHead(constraint),
+            constraint=None if constraint is None else self._constrain,
             autocast=False,
         )
+
+    def _constrain(self, kernel):
+        # Each head's kernel as a dense kernel (input axis first).
+        kernel = ops.transpose(kernel, (1, 0, 2))
+        return ops.transpose(self.kernel_constraint(kernel), (1, 0, 2))
 
     def features(self, x, positions=None, length=None, stabilize=False):
         x = ops.einsum("bthd,hdf->bthf", x, self._per_head(self.kernel, x))
@@ -391,10 +379,18 @@ class _Function(FeatureMap):
     it must keep its input's shape; otherwise any number of features.
     """
 
-    def __init__(self, key_dim, function, same_size=True, **kwargs):
+    def __init__(
+        self, key_dim, function, same_size=True, num_features=None, **kwargs
+    ):
         super().__init__(key_dim, **kwargs)
         self.function = function
         self.same_size = same_size
+        # Checked once `function`, which the message names, is set.
+        self._check_num_features(num_features)
+
+    @property
+    def map_name(self):
+        return self.function
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -411,32 +407,28 @@ class _Function(FeatureMap):
 
     def features(self, x, positions=None, length=None, stabilize=False):
         features = self.function(x)
-        self._check(features, x)
-        # A `Layer` map computes in its own dtype policy.
-        return ops.cast(features, x.dtype), None
-
-    def _check(self, features, x):
-        """Refuses features that the products or the state cannot take,
-        where both sizes are known (not `None` or symbolic)."""
+        # Refuses features that the products or the state cannot take,
+        # where both sizes are known (not `None` or symbolic).
         shape = getattr(features, "shape", None)
         compared = x.shape if self.same_size else x.shape[:-1]
-        if shape is not None and len(shape) == len(x.shape):
-            if not any(
-                isinstance(a, int) and isinstance(b, int) and a != b
-                for a, b in zip(shape, compared)
-            ):
-                return
-        expected = f"its input's shape, {tuple(x.shape)}"
-        if not self.same_size:
-            expected = (
-                f"its input's batch size, length and heads, "
-                f"{tuple(compared)}, and any number of features"
+        mismatch = shape is None or len(shape) != len(x.shape)
+        if mismatch or any(
+            isinstance(a, int) and isinstance(b, int) and a != b
+            for a, b in zip(shape, compared)
+        ):
+            expected = f"its input's shape, {tuple(x.shape)}"
+            if not self.same_size:
+                expected = (
+                    f"its input's batch size, length and heads, "
+                    f"{tuple(compared)}, and any number of features"
+                )
+            got = type(features).__name__ if shape is None else tuple(shape)
+            raise ValueError(
+                f"`feature_map` must return a tensor with {expected}. "
+                f"Received: {got} from feature_map={self.function!r}"
             )
-        received = type(features).__name__ if shape is None else tuple(shape)
-        raise ValueError(
-            f"`feature_map` must return a tensor with {expected}. Received: "
-            f"{received} from feature_map={self.function!r}"
-        )
+        # A `Layer` map computes in its own dtype policy.
+        return ops.cast(features, x.dtype), None
 
 
 FEATURE_MAPS = {
@@ -472,40 +464,46 @@ def get(identifier, key_dim, same_size=True, **options):
                 f"Received: feature_map={identifier!r}"
             )
         return FEATURE_MAPS[identifier](key_dim, name="feature_map", **options)
-    if not callable(identifier):
+    # A class is callable, but calling it makes an instance, not features.
+    if not callable(identifier) or inspect.isclass(identifier):
         raise ValueError(
-            "`feature_map` must be a string or a callable. Received: "
-            f"feature_map={identifier!r} of type {type(identifier).__name__}"
-        )
-    if inspect.isclass(identifier):
-        # Callable, but calling it makes an instance, not features.
-        raise ValueError(
-            "`feature_map` must be a feature map, not a class: pass an "
-            f"instance (such as `{identifier.__name__}()`). Received: "
-            f"feature_map={identifier!r}"
-        )
-    if options.get("num_features") is not None:
-        raise ValueError(
-            "`num_features` only applies to feature_map='favor_plus', "
-            "'hedgehog' or 'random_fourier'. Received: "
-            f"num_features={options['num_features']!r} with "
+            "`feature_map` must be a string or a callable, such as a "
+            "function or a `Layer` instance (not a class). Received: "
             f"feature_map={identifier!r}"
         )
     return _Function(
-        key_dim,
-        identifier,
-        same_size=same_size,
-        name="feature_map",
-        dtype=options.get("dtype"),
+        key_dim, identifier, same_size, name="feature_map", **options
     )
 
 
 def serialize(feature_map):
     """`feature_map` for a config: a name as it is, a callable serialized
-    if it would load back (and a `ValueError` if not)."""
+    if it would load back (and a `ValueError` if not).
+
+    A function must load as itself (registered ones and Keras's own, such
+    as `keras.activations.softplus`), a callable object or `Layer` as an
+    object of its class (registered classes, Keras's layers, and others
+    inside a `keras.saving.custom_object_scope`).
+    """
     if isinstance(feature_map, str):
         return feature_map
-    error = loading_error(feature_map)
+    error = None
+    try:
+        config = serialization_lib.serialize_keras_object(feature_map)
+        if isinstance(config, dict):
+            # Loaded unbuilt: the class and its config are what matter.
+            config.pop("build_config", None)
+            config.pop("compile_config", None)
+        loaded = serialization_lib.deserialize_keras_object(config)
+    except Exception as e:
+        # Its first sentence (Keras's go on with the whole config).
+        error = f"{type(e).__name__}: {str(e).split('. ')[0]}"
+    else:
+        if inspect.isfunction(feature_map) or inspect.isbuiltin(feature_map):
+            if loaded is not feature_map:
+                error = f"it would load as {loaded!r}"
+        elif type(loaded) is not type(feature_map):
+            error = f"it would load as {type(loaded).__name__}"
     if error is not None:
         raise ValueError(
             "Cannot serialize `LinearAttention`: its `feature_map` "
@@ -516,33 +514,6 @@ def serialize(feature_map):
             f"feature_map={feature_map!r} ({error})"
         )
     return serialization_lib.serialize_keras_object(feature_map)
-
-
-def loading_error(function):
-    """Why a `feature_map` callable would not save and load, or `None`.
-
-    A function must load as itself: it does for registered functions and
-    for Keras's own (such as `keras.activations.softplus`, saved by name).
-    A `Layer` or other callable object must load as an object of its
-    class: it does for registered classes and Keras's layers (and for
-    others inside a `keras.saving.custom_object_scope`).
-    """
-    try:
-        config = serialization_lib.serialize_keras_object(function)
-        if isinstance(config, dict):
-            # Loaded unbuilt: the class and its config are what matter.
-            config.pop("build_config", None)
-            config.pop("compile_config", None)
-        loaded = serialization_lib.deserialize_keras_object(config)
-    except Exception as error:
-        # Its first sentence (Keras's go on with the whole config).
-        return f"{type(error).__name__}: {str(error).split('. ')[0]}"
-    if inspect.isfunction(function) or inspect.isbuiltin(function):
-        if loaded is not function:
-            return f"it would load as {loaded!r}"
-    elif type(loaded) is not type(function):
-        return f"it would load as {type(loaded).__name__}"
-    return None
 
 
 def orthogonal_random_features(key_dim, num_features, seed):
@@ -562,43 +533,14 @@ def orthogonal_random_features(key_dim, num_features, seed):
         q, r = np.linalg.qr(generator.standard_normal((key_dim, key_dim)))
         blocks.append(q * np.where(np.diag(r) < 0, -1.0, 1.0))
     directions = np.concatenate(blocks, axis=1)[:, :num_features]
-    norms = np.linalg.norm(
-        generator.standard_normal((num_features, key_dim)), axis=1
-    )
-    return directions * norms
+    gaussian = generator.standard_normal((num_features, key_dim))
+    return directions * np.linalg.norm(gaussian, axis=1)
 
 
 def _sin_cos(x):
     if backend.backend() == "jax":
-        # Workaround: JAX's `ops.sin` and `ops.cos` return float32 for
-        # float64 inputs.
-        # TODO: use `ops.sin` and `ops.cos` once upstream keeps float64.
+        # Workaround: JAX's `ops.sin` and `ops.cos` return float32 for float64.
         import jax.numpy as jnp
 
         return jnp.sin(x), jnp.cos(x)
     return ops.sin(x), ops.cos(x)
-
-
-class _PerHead(constraints.Constraint):
-    """A dense-kernel constraint on `(heads, key_dim, features)` kernels,
-    applied to each head's kernel (input axis first), not across heads."""
-
-    def __init__(self, constraint):
-        self.constraint = constraint
-
-    def __call__(self, w):
-        w = ops.transpose(w, (1, 0, 2))
-        return ops.transpose(self.constraint(w), (1, 0, 2))
-
-
-def _identity_per_head(shape, dtype=None):
-    """Identity matrices `(key_dim, size)`, one per head: Hedgehog's start,
-    `softmax([x, -x])`, where every feature of `x` counts in both signs."""
-    heads, rows, columns = shape
-    return ops.tile(
-        ops.expand_dims(ops.eye(rows, columns, dtype=dtype), 0), (heads, 1, 1)
-    )
-
-
-def _normal_cdf(x):
-    return 0.5 * math.erfc(-x / 2**0.5)
