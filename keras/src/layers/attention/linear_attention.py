@@ -1,3 +1,4 @@
+import contextlib
 import math
 import numbers
 import warnings
@@ -139,13 +140,8 @@ class LinearAttention(Layer):
     Performer features, with 4 query heads sharing 2 key/value heads:
 
     >>> layer = keras.layers.LinearAttention(
-    ...     num_heads=4,
-    ...     key_dim=4,
-    ...     num_key_value_heads=2,
-    ...     feature_map="favor_plus",
-    ...     num_features=64,
-    ...     causal=True,
-    ...     seed=0,
+    ...     num_heads=4, key_dim=4, num_key_value_heads=2, causal=True,
+    ...     feature_map="favor_plus", num_features=64, seed=0,
     ... )
     >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
     [(3, 2, 64, 4), (3, 2, 64)]
@@ -184,7 +180,6 @@ class LinearAttention(Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.supports_masking = True
         _check_scalars(
             num_heads=num_heads,
             key_dim=key_dim,
@@ -237,8 +232,6 @@ class LinearAttention(Layer):
         self.decay = _check_decay(decay, self.num_key_value_heads)
         self._check_options(num_key_value_heads, decay)
         self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
-        # Each projection's policy before quantization, for `get_config`.
-        self._projection_base_dtypes = {}
 
     def _check_options(self, num_key_value_heads, decay):
         """Refuses options that do not go together; warns of float16
@@ -263,9 +256,9 @@ class LinearAttention(Layer):
                 "long ago it was, which non-causal attention has no order "
                 f"for. Received: decay={decay!r}, causal={self.causal}"
             )
-        if self.compute_dtype != "float16":
-            return
-        if not self.use_normalizer or not self._feature_map.non_negative:
+        if self.compute_dtype == "float16" and not (
+            self.use_normalizer and self._feature_map.non_negative
+        ):
             # Unnormalized outputs grow with the steps attended to; a
             # clamped estimate of the normalizer can be near zero.
             warnings.warn(
@@ -281,9 +274,7 @@ class LinearAttention(Layer):
     @property
     def accumulator_dtype(self):
         """The dtype of the attention core and of the recurrent state."""
-        if backend.standardize_dtype(self.compute_dtype) == "float64":
-            return "float64"
-        return "float32"
+        return "float64" if self.compute_dtype == "float64" else "float32"
 
     @property
     def feature_map_layer(self):
@@ -313,18 +304,17 @@ class LinearAttention(Layer):
         output_dim = self._output_shape or input_dim
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
-        heads, key_value_heads = self.num_heads, self.num_key_value_heads
+        heads, kv_heads = self.num_heads, self.num_key_value_heads
+        # Each projection's policy before quantization, for `get_config`.
+        self._projection_base_dtypes = {}
         self._query_dense = self._projection(
             "query", "btm,mhd->bthd", (None, heads, self.key_dim), "hd"
         )
         self._key_dense = self._projection(
-            "key", "btm,mhd->bthd", (None, key_value_heads, self.key_dim), "hd"
+            "key", "btm,mhd->bthd", (None, kv_heads, self.key_dim), "hd"
         )
         self._value_dense = self._projection(
-            "value",
-            "btm,mhe->bthe",
-            (None, key_value_heads, self.value_dim),
-            "he",
+            "value", "btm,mhe->bthe", (None, kv_heads, self.value_dim), "he"
         )
         self._output_dense = self._projection(
             "attention_output", "bthe,heo->bto", (None, output_dim), "o"
@@ -332,7 +322,7 @@ class LinearAttention(Layer):
         for dense in (self._query_dense, self._key_dense, self._value_dense):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
-        self._feature_map.build((None, None, key_value_heads, self.key_dim))
+        self._feature_map.build((None, None, kv_heads, self.key_dim))
         if self.local_window is not None:
             # On the window's scale from the start (see the map's
             # `initial_far_log_scale`).
@@ -351,7 +341,7 @@ class LinearAttention(Layer):
             # gamma = sigmoid(decay_logit) stays in (0, 1).
             self.decay_logit = self.add_weight(
                 name="decay_logit",
-                shape=(key_value_heads,),
+                shape=(kv_heads,),
                 initializer=_retnet_decay_logits,
                 autocast=False,
             )
@@ -362,8 +352,7 @@ class LinearAttention(Layer):
             )
 
     def _add_conv_kernels(self):
-        """The short convolution's filters, `(conv_kernel_size, heads,
-        size)`, of the queries, keys and values."""
+        """The filters `(width, heads, size)` of the short convolution."""
         width = self.conv_kernel_size
         heads, key_value_heads = self.num_heads, self.num_key_value_heads
         return [
@@ -458,15 +447,15 @@ class LinearAttention(Layer):
         self._check_streaming("a call of get_initial_state()")
         return self._zero_state(_check_batch_size(batch_size))
 
-    def _zero_state(self, batch_size):
+    def _zero_state(self, batch_size, zeros=ops.zeros):
+        """The zero state; with `zeros=backend.KerasTensor`, its spec."""
         return tuple(
-            ops.zeros((batch_size,) + shape, dtype=self.accumulator_dtype)
+            zeros((batch_size,) + shape, self.accumulator_dtype)
             for shape in self._state_shapes().values()
         )
 
     def _state_shapes(self):
-        """The state's elements, by name, and their shapes without the
-        batch."""
+        """The state's shapes without the batch, by name, in order."""
         heads, features = self.num_key_value_heads, self._feature_map.size
         shapes = {"key_value_state": (heads, features, self.value_dim)}
         if self.use_normalizer:
@@ -485,38 +474,23 @@ class LinearAttention(Layer):
 
     def __call__(self, *args, **kwargs):
         names = self.call_signature_parameters
-        if 1 < len(args) <= len(names) and not set(names[1 : len(args)]) & set(
-            kwargs
-        ):
+        positional = dict(zip(names[1:], args[1:]))
+        if 1 < len(args) <= len(names) and not positional.keys() & kwargs:
             # Workaround: `Layer.__call__` also passes the inputs' mask as
             # `mask=` when `mask` is given by position ("multiple values").
-            kwargs = {**dict(zip(names[1:], args[1:])), **kwargs}
+            kwargs = {**positional, **kwargs}
             args = args[:1]
         # `Layer.__call__` casts floating arguments to the compute dtype; a
         # carried float32 state is wrapped so that mixed precision does not
-        # round it (symbolic calls record their arguments as given).
-        if not self._convert_input_args or (
-            backend.standardize_dtype(self.input_dtype)
-            == self.accumulator_dtype
-        ):
-            return super().__call__(*args, **kwargs)
-        # Context arguments that `call` does not take, as `Layer.__call__`.
-        bound_kwargs = {
-            key: value
-            for key, value in kwargs.items()
-            if key in names or key not in self._call_context_args
-        }
-        try:
-            arguments = self._call_signature.bind(
-                *args, **bound_kwargs
-            ).arguments
-        except TypeError:
-            # Bad arguments: `Layer.__call__` reports them.
-            return super().__call__(*args, **kwargs)
-        initial_state = arguments.get("initial_state")
-        if not isinstance(initial_state, (list, tuple)) or any(
-            isinstance(x, backend.KerasTensor)
-            for x in (arguments[names[0]], *initial_state)
+        # round it (symbolic calls record their arguments as given). Bad
+        # arguments are left to `Layer.__call__` to report.
+        inputs = args[0] if args else kwargs.get(names[0])
+        initial_state = kwargs.get("initial_state")
+        if (
+            not self._convert_input_args
+            or self.input_dtype == self.accumulator_dtype
+            or not isinstance(initial_state, (list, tuple))
+            or any(map(backend.is_keras_tensor, (inputs, *initial_state)))
         ):
             return super().__call__(*args, **kwargs)
         with backend.AutocastScope(None):
@@ -588,13 +562,10 @@ class LinearAttention(Layer):
         return outputs
 
     def _project(self, inputs, mask, state):
-        """The queries, keys and values `(batch, time, heads, key_dim or
-        value_dim)` in the accumulator dtype (keys and values of
-        `num_key_value_heads`), through the short convolution if any.
-
-        Returns them, the state without the convolution's steps, and
-        those steps after the call (a dict by name; empty if none).
-        """
+        """The queries, keys and values `(batch, time, heads, size)` in the
+        accumulator dtype, through the short convolution if any; the state
+        without the convolution's steps; and those steps after the call (a
+        dict by name, empty if none)."""
         dtype = self.accumulator_dtype
         projections = [
             ops.cast(dense(inputs), dtype)
@@ -712,7 +683,6 @@ class LinearAttention(Layer):
             gamma = self.decay
             if self.decay == "retnet":
                 gamma = _retnet_decays(self.num_key_value_heads)
-            gamma = np.broadcast_to(gamma, (self.num_key_value_heads,))
             log_decay = ops.convert_to_tensor(np.log(gamma), dtype)
         gates = ops.broadcast_to(
             log_decay, tuple(shape) + (self.num_key_value_heads,)
@@ -765,27 +735,19 @@ class LinearAttention(Layer):
             f"{name} (batch_size,) + {shape}" for name, shape in shapes.items()
         )
         if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
+            received = type(state).__name__
+            if isinstance(state, (list, tuple)):
+                received += f" of {len(state)} element(s)"
             raise ValueError(
                 f"`initial_state` must be a tuple of {len(shapes)} "
                 f"tensor(s): {expected}, as returned by "
                 "`get_initial_state()` or by a call with `return_state=True`."
-                f" Received: initial_state of type {type(state).__name__}"
-                + (
-                    f" of {len(state)} element(s)"
-                    if _is_sequence(state)
-                    else ""
-                )
+                f" Received: initial_state of type {received}"
             )
         for (name, shape), tensor in zip(shapes.items(), state):
             received = tuple(getattr(tensor, "shape", ()))
-            if (
-                received[1:] != shape
-                or received[0]
-                not in (
-                    batch_size,
-                    None,
-                )
-                and batch_size is not None
+            if received[1:] != shape or (
+                batch_size is not None and received[0] not in (batch_size, None)
             ):
                 raise ValueError(
                     f"`initial_state` element {name} must have shape "
@@ -810,9 +772,7 @@ class LinearAttention(Layer):
 
     def compute_output_shape(self, input_shape):
         input_shape = _check_input_shape(input_shape)
-        return tuple(input_shape[:-1]) + (
-            self._output_shape or input_shape[-1],
-        )
+        return input_shape[:-1] + (self._output_shape or input_shape[-1],)
 
     def compute_output_spec(
         self,
@@ -829,12 +789,7 @@ class LinearAttention(Layer):
         )
         if not return_state:
             return outputs
-        return outputs, tuple(
-            backend.KerasTensor(
-                (inputs.shape[0],) + shape, self.accumulator_dtype
-            )
-            for shape in self._state_shapes().values()
-        )
+        return outputs, self._zero_state(inputs.shape[0], backend.KerasTensor)
 
     def get_config(self):
         config = {
@@ -885,10 +840,6 @@ class _UncastState:
         self.state = state
 
 
-def _is_sequence(x):
-    return isinstance(x, (list, tuple))
-
-
 def _heads_first(x):
     return ops.transpose(x, (0, 2, 1, 3))
 
@@ -909,68 +860,59 @@ def _masked(x, mask):
 
 
 def _check_scalars(**arguments):
-    """Refuses a scalar argument that `_SCALAR_ARGUMENTS` does not allow,
-    naming it, the value received and what is allowed."""
+    """Refuses a scalar argument that `_SCALAR_ARGUMENTS` does not allow."""
     for name, value in arguments.items():
-        valid, allowed = _SCALAR_ARGUMENTS[name]
+        allowed, valid = _SCALAR_ARGUMENTS[name]
         if not valid(value):
             raise ValueError(
                 f"`{name}` must be {allowed}. Received: {name}={value!r}"
             )
 
 
-def _is_integer(value):
-    """Whether `value` is an integer (NumPy's too), not a boolean."""
-    return isinstance(value, numbers.Integral) and not isinstance(
-        value, (bool, np.bool_)
-    )
-
-
 def _is_real(value):
     """Whether `value` is a real number (NumPy's too), not a boolean."""
-    return isinstance(value, numbers.Real) and not isinstance(
-        value, (bool, np.bool_)
-    )
+    return isinstance(value, numbers.Real) and not isinstance(value, _BOOLEANS)
+
+
+def _is_integer(value, minimum=-math.inf):
+    """Whether `value` is an integer of at least `minimum`, not a boolean."""
+    integer = isinstance(value, numbers.Integral) and _is_real(value)
+    return integer and value >= minimum
 
 
 def _optional_int(value):
     return None if value is None else int(value)
 
 
-def _is_positive_int(value):
-    return _is_integer(value) and value > 0
-
-
-def _is_optional_positive_int(value):
-    return value is None or _is_positive_int(value)
-
-
-def _is_boolean(value):
-    return isinstance(value, (bool, np.bool_))
-
-
-# The scalar arguments: a test of the value, and what it allows.
+_BOOLEANS = (bool, np.bool_)
+_BOOLEAN = ("a boolean", lambda v: isinstance(v, _BOOLEANS))
+_POSITIVE_INT = ("a positive integer", lambda v: _is_integer(v, 1))
+_OPTIONAL_POSITIVE_INT = (
+    "a positive integer",
+    lambda v: v is None or _is_integer(v, 1),
+)
+# The scalar arguments: what each allows, and a test of the value.
 _SCALAR_ARGUMENTS = {
-    "num_heads": (_is_positive_int, "a positive integer"),
-    "key_dim": (_is_positive_int, "a positive integer"),
-    "value_dim": (_is_optional_positive_int, "a positive integer"),
-    "num_key_value_heads": (_is_optional_positive_int, "a positive integer"),
-    "local_window": (_is_optional_positive_int, "a positive integer"),
+    "num_heads": _POSITIVE_INT,
+    "key_dim": _POSITIVE_INT,
+    "value_dim": _OPTIONAL_POSITIVE_INT,
+    "num_key_value_heads": _OPTIONAL_POSITIVE_INT,
+    "local_window": _OPTIONAL_POSITIVE_INT,
     "conv_kernel_size": (
-        lambda v: v is None or _is_integer(v) and v >= 2,
         "`None` or an integer of at least 2",
+        lambda v: v is None or _is_integer(v, 2),
     ),
-    "use_normalizer": (_is_boolean, "a boolean"),
-    "causal": (_is_boolean, "a boolean"),
-    "use_bias": (_is_boolean, "a boolean"),
+    "use_normalizer": _BOOLEAN,
+    "causal": _BOOLEAN,
+    "use_bias": _BOOLEAN,
     "normalization_epsilon": (
-        lambda v: _is_real(v) and 0 < v < math.inf,
         "a positive, finite float",
+        lambda v: _is_real(v) and 0 < v < math.inf,
     ),
-    "dropout": (lambda v: _is_real(v) and 0 <= v < 1, "a float in [0, 1)"),
+    "dropout": ("a float in [0, 1)", lambda v: _is_real(v) and 0 <= v < 1),
     "execution_mode": (
-        lambda v: isinstance(v, str) and v in _EXECUTION_MODES,
         f"one of {', '.join(map(repr, _EXECUTION_MODES))}",
+        lambda v: isinstance(v, str) and v in _EXECUTION_MODES,
     ),
 }
 
@@ -980,8 +922,8 @@ def _check_output_shape(output_shape):
     size = output_shape
     if isinstance(size, (list, tuple)) and len(size) == 1:
         size = size[0]
-    if size is None or (_is_integer(size) and size > 0):
-        return None if size is None else int(size)
+    if size is None or _is_integer(size, 1):
+        return _optional_int(size)
     raise ValueError(
         "`output_shape` must be `None`, a positive integer, or a tuple or "
         f"list of one positive integer. Received: output_shape={output_shape!r}"
@@ -989,19 +931,14 @@ def _check_output_shape(output_shape):
 
 
 def _check_projection_dtypes(projection_dtypes):
-    projection_dtypes = projection_dtypes or {}
-    if not isinstance(projection_dtypes, dict) or not set(
-        projection_dtypes
-    ) <= set(_PROJECTIONS):
+    dtypes = projection_dtypes or {}
+    if not isinstance(dtypes, dict) or not set(dtypes) <= set(_PROJECTIONS):
         raise ValueError(
             "`projection_dtypes` must be a dict from projection names "
             f"({', '.join(map(repr, _PROJECTIONS))}) to dtype policies. "
             f"Received: projection_dtypes={projection_dtypes!r}"
         )
-    return {
-        name: dtype_policies.get(policy)
-        for name, policy in projection_dtypes.items()
-    }
+    return {name: dtype_policies.get(dtype) for name, dtype in dtypes.items()}
 
 
 def _check_batch_size(batch_size):
@@ -1011,7 +948,7 @@ def _check_batch_size(batch_size):
     a JAX dimension expression is neither an integer nor a tensor)."""
     if isinstance(batch_size, np.ndarray) and batch_size.ndim == 0:
         batch_size = batch_size[()]
-    if _is_integer(batch_size) and batch_size >= 0:
+    if _is_integer(batch_size, 0):
         return int(batch_size)
     dtype = getattr(batch_size, "dtype", None)
     if (
@@ -1020,7 +957,7 @@ def _check_batch_size(batch_size):
             batch_size, (numbers.Number, str, bytes, list, tuple, dict)
         )
         or len(getattr(batch_size, "shape", ()))
-        or (dtype is not None and "int" not in backend.standardize_dtype(dtype))
+        or (dtype is not None and not backend.is_int_dtype(dtype))
     ):
         raise ValueError(
             "`batch_size` must be a non-negative integer or a scalar "
@@ -1033,11 +970,11 @@ def _check_decay(decay, num_key_value_heads):
     """`decay` as `None`, a schedule's name, a float or a list of floats."""
     if decay is None or (isinstance(decay, str) and decay in _DECAY_SCHEDULES):
         return decay
-    if isinstance(decay, (list, tuple)):
-        values = list(decay) if len(decay) == num_key_value_heads else None
-    else:
-        values = [decay]
-    if values is None or not all(_is_real(g) and 0 < g <= 1 for g in values):
+    is_list = isinstance(decay, (list, tuple))
+    values = list(decay) if is_list else [decay]
+    if len(values) != (num_key_value_heads if is_list else 1) or not all(
+        _is_real(g) and 0 < g <= 1 for g in values
+    ):
         raise ValueError(
             "`decay` must be `None`, a float in (0, 1], a list of "
             f"num_key_value_heads={num_key_value_heads} such floats (one per "
@@ -1045,7 +982,7 @@ def _check_decay(decay, num_key_value_heads):
             f"decay={decay!r}"
         )
     values = [float(g) for g in values]
-    return values if isinstance(decay, (list, tuple)) else values[0]
+    return values if is_list else values[0]
 
 
 def _retnet_decays(num_key_value_heads):
@@ -1068,10 +1005,8 @@ def _check_seed(seed, largest=None):
     """`seed` as a Python `int` (or `None`), if non-negative (NumPy, which
     draws random features, and JAX refuse negative seeds) and at most
     `largest`."""
-    if seed is None or (
-        _is_integer(seed) and 0 <= seed <= (largest or math.inf)
-    ):
-        return None if seed is None else int(seed)
+    if seed is None or _is_integer(seed, 0) and seed <= (largest or math.inf):
+        return _optional_int(seed)
     allowed = "a non-negative integer"
     if largest is not None:
         allowed = f"an integer in [0, {largest}] with dropout"
@@ -1085,10 +1020,8 @@ def _check_input_shape(shape):
     if not isinstance(shape, (list, tuple)):
         # Such as TensorFlow's `TensorShape`; what upstream cannot convert
         # is refused below.
-        try:
+        with contextlib.suppress(ValueError):
             shape = backend.standardize_shape(shape)
-        except ValueError:
-            pass
     if not isinstance(shape, (list, tuple)) or any(
         isinstance(dim, (list, tuple)) for dim in shape
     ):
@@ -1116,12 +1049,11 @@ def _standardize_mask(mask, inputs):
     """Returns `mask` as a boolean `(batch, time)` tensor, or `None`."""
     if mask is None:
         return None
-    original = mask
     try:
         # Not a tensor, such as a state passed by position: the error's
         # type depends on the backend.
-        mask = mask if hasattr(mask, "shape") else ops.convert_to_tensor(mask)
-        dtype = backend.standardize_dtype(mask.dtype)
+        tensor = mask if hasattr(mask, "shape") else ops.convert_to_tensor(mask)
+        dtype = backend.standardize_dtype(tensor.dtype)
     except Exception:
         dtype = None
     if dtype is None or not (
@@ -1131,10 +1063,10 @@ def _standardize_mask(mask, inputs):
             "`mask` must be a boolean (or 0/1 numeric) tensor of shape "
             "(batch_size, sequence_length). A state is passed as "
             "`initial_state=`. Received: mask of type "
-            f"{type(original).__name__}"
+            f"{type(mask).__name__}"
             + ("" if dtype is None else f" with dtype {dtype}")
         )
-    shape = tuple(mask.shape)
+    shape = tuple(tensor.shape)
     if len(shape) != 2 or any(
         None not in (dim, other) and dim not in (1, other)
         for dim, other in zip(shape, inputs.shape[:2])
@@ -1148,7 +1080,7 @@ def _standardize_mask(mask, inputs):
             f"inputs with shape {tuple(inputs.shape)}"
         )
     if dtype != "bool":
-        mask = ops.not_equal(mask, 0)
+        tensor = ops.not_equal(tensor, 0)
     # `logical_and`, unlike `broadcast_to`, allows the unknown dimensions of
     # symbolic tensors.
-    return ops.logical_and(mask, ops.ones_like(inputs[:, :, 0], dtype="bool"))
+    return ops.logical_and(tensor, ops.ones_like(inputs[:, :, 0], dtype="bool"))
