@@ -34,6 +34,8 @@ $(STAMP): requirements.txt
 	    "Python >= 3.11 is needed: make PYTHON=python3.11 ...")' && \
 	  $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q -r requirements.txt
+	@# pip brings PyPI's keras back with tensorflow: out again, before lint.
+	@$(PY) tools/venv_link.py
 	@touch $@
 
 # Lint only the project's own files: the ones tracked in git.
