@@ -2077,22 +2077,17 @@ class LinearAttentionRobustnessTest(testing.TestCase):
 
     # Hybrid attention (`local_window`).
 
-    @parameterized.named_parameters(
-        ("window_4", 4, {}),
-        (
-            "window_16_grouped_favor_plus",
-            16,
-            {**CONFIGS["grouped"], **CONFIGS["favor_plus"]},
-        ),
-    )
-    def test_hybrid_left_padded_generation_matches_each_prompt_alone(
-        self, window, kwargs
-    ):
+    def test_hybrid_left_padded_generation_matches_each_prompt_alone(self):
         # Prompts shorter and longer than the window, left-padded into one
         # batch whose padding holds NaN and large values, then steps of one
         # token with the carried state, as in generation: the outputs and
         # states are those of each prompt alone.
-        layer = make_layer(causal=True, local_window=window, **kwargs)
+        layer = make_layer(
+            causal=True,
+            local_window=8,
+            **CONFIGS["grouped"],
+            **CONFIGS["favor_plus"],
+        )
         assign_far_log_scale(layer)
         lengths, steps = (3, 11), 6
         longest = max(lengths)
@@ -2150,7 +2145,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # query features far outside float32's range unless the far part's
         # scale is taken into the exponent.
         x = 100.0 * random_inputs()
-        for dtype in ("float32", "mixed_float16", "mixed_bfloat16"):
+        # bfloat16 has float32's range: float32 covers its overflows.
+        for dtype in ("float32", "mixed_float16"):
             # Exact gradients in float16's range, so that only an overflow
             # inside the layer shows.
             scale = HALF_PRECISION_LOSS_SCALE if dtype == "mixed_float16" else 1

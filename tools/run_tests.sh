@@ -55,7 +55,8 @@ run() {
   echo
   echo "==== $name: pytest $* ===="
   start=${EPOCHREALTIME/./}
-  "$PY" -m pytest "$@"
+  # The slowest tests are listed, so that the suite's time can be watched.
+  "$PY" -m pytest --durations=10 "$@"
   rc=$?
   [ "$rc" -eq 5 ] && rc=0
   secs=$(( (${EPOCHREALTIME/./} - start) / 100000 ))
