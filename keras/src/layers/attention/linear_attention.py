@@ -26,6 +26,8 @@ _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 # The state's elements of the short convolution: its last inputs.
 _CONV_STATE = ("conv_queries", "conv_keys", "conv_values")
+# The largest seed that every backend's dropout takes: PyTorch's is an int32.
+_MAX_DROPOUT_SEED = 2**31 - 1
 
 
 @keras_export("keras.layers.LinearAttention")
@@ -230,10 +232,10 @@ class LinearAttention(Layer):
         self.local_window = _optional_int(local_window)
         self.conv_kernel_size = _optional_int(conv_kernel_size)
         self.decay = _check_decay(decay, self.num_key_value_heads)
-        self._check_options(num_key_value_heads, decay)
+        self._check_options()
         self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
 
-    def _check_options(self, num_key_value_heads, decay):
+    def _check_options(self):
         """Refuses options that do not go together; warns of float16
         outputs that can overflow."""
         if self.num_heads % self.num_key_value_heads:
@@ -241,7 +243,7 @@ class LinearAttention(Layer):
                 "`num_heads` must be a multiple of `num_key_value_heads` "
                 "(each group of query heads shares one key/value head). "
                 f"Received: num_heads={self.num_heads}, "
-                f"num_key_value_heads={num_key_value_heads}"
+                f"num_key_value_heads={self.num_key_value_heads}"
             )
         if self.local_window is not None and not self.use_normalizer:
             raise ValueError(
@@ -254,13 +256,12 @@ class LinearAttention(Layer):
             raise ValueError(
                 "`decay` needs `causal=True`: it weighs each step by how "
                 "long ago it was, which non-causal attention has no order "
-                f"for. Received: decay={decay!r}, causal={self.causal}"
+                f"for. Received: decay={self.decay!r}, causal={self.causal}"
             )
         if self.compute_dtype == "float16" and not (
             self.use_normalizer and self._feature_map.non_negative
         ):
-            # Unnormalized outputs grow with the steps attended to; a
-            # clamped estimate of the normalizer can be near zero.
+            # Unnormalized outputs grow; a clamped normalizer can be near zero.
             warnings.warn(
                 "`LinearAttention` with a float16 compute dtype and "
                 f"use_normalizer={self.use_normalizer}, feature_map="
@@ -281,21 +282,10 @@ class LinearAttention(Layer):
         """The feature map object (`feature_map` resolved)."""
         return self._feature_map
 
-    @property
-    def query_dense(self):
-        return self._query_dense
-
-    @property
-    def key_dense(self):
-        return self._key_dense
-
-    @property
-    def value_dense(self):
-        return self._value_dense
-
-    @property
-    def output_dense(self):
-        return self._output_dense
+    query_dense = property(lambda self: self._query_dense)
+    key_dense = property(lambda self: self._key_dense)
+    value_dense = property(lambda self: self._value_dense)
+    output_dense = property(lambda self: self._output_dense)
 
     def build(self, input_shape):
         input_shape = _check_input_shape(input_shape)
@@ -324,8 +314,6 @@ class LinearAttention(Layer):
         self._output_dense.build((None, None, heads, self.value_dim))
         self._feature_map.build((None, None, kv_heads, self.key_dim))
         if self.local_window is not None:
-            # On the window's scale from the start (see the map's
-            # `initial_far_log_scale`).
             self.far_log_scale = self.add_weight(
                 name="far_log_scale",
                 shape=(heads,),
@@ -405,8 +393,7 @@ class LinearAttention(Layer):
             output_shape=output_shape,
             bias_axes=bias_axes if self.use_bias else None,
             name=name,
-            # Cloned, so that the kernels are not drawn from the same
-            # stateless initializer (the same values).
+            # Cloned: one stateless initializer would draw equal kernels.
             kernel_initializer=_clone(self.kernel_initializer),
             bias_initializer=_clone(self.bias_initializer),
             kernel_regularizer=self.kernel_regularizer,
@@ -418,10 +405,8 @@ class LinearAttention(Layer):
         )
 
     def _changed_projection_dtypes(self):
-        """The policies of the projections that differ from the layer's,
-        such as those quantized by `Model.quantize()`: the config carries
-        them to rebuild their variables, by name (not by the layer's path,
-        unlike a `DTypePolicyMap`)."""
+        """The projections' policies that differ from the layer's (such as
+        after `Model.quantize()`), by name, to rebuild their variables."""
         if not self.built:
             return {}
         projections = (self.query_dense, self.key_dense, self.value_dense)
@@ -480,10 +465,9 @@ class LinearAttention(Layer):
             # `mask=` when `mask` is given by position ("multiple values").
             kwargs = {**positional, **kwargs}
             args = args[:1]
-        # `Layer.__call__` casts floating arguments to the compute dtype; a
-        # carried float32 state is wrapped so that mixed precision does not
-        # round it (symbolic calls record their arguments as given). Bad
-        # arguments are left to `Layer.__call__` to report.
+        # A carried float32 state is wrapped so that `Layer.__call__` does
+        # not cast it to the compute dtype; symbolic calls and bad arguments
+        # go through unchanged.
         inputs = args[0] if args else kwargs.get(names[0])
         initial_state = kwargs.get("initial_state")
         if (
@@ -519,8 +503,7 @@ class LinearAttention(Layer):
             mask = backend.get_keras_mask(inputs)
         mask = _standardize_mask(mask, inputs)
         if mask is not None:
-            # Padding may hold inf or nan, which the projections' gradients
-            # would carry into the weights.
+            # Padding's inf or nan would reach the weights through gradients.
             inputs = _masked(inputs, mask)
         dtype = self.accumulator_dtype
         state = None
@@ -547,16 +530,14 @@ class LinearAttention(Layer):
             names = [n for n in self._state_shapes() if n not in conv_state]
             named = {**dict(zip(names, state)), **conv_state}
             state = tuple(named[name] for name in self._state_shapes())
-        # Nothing computed at padding reaches the output projection, e.g.
-        # the input statistics that GPTQ quantization collects.
+        # No padding reaches the output projection or GPTQ's input statistics.
         outputs = ops.cast(_masked(outputs, mask), self.compute_dtype)
         if self._dropout_layer is not None:
             outputs = self._dropout_layer(outputs, training=training)
-        # Masked again for the output projection's bias.
+        # Masked again for the bias, and cast in case the output projection
+        # has a policy of its own.
         outputs = _masked(self._output_dense(outputs), mask)
-        if backend.standardize_dtype(outputs.dtype) != self.compute_dtype:
-            # The output projection may have a policy of its own.
-            outputs = ops.cast(outputs, self.compute_dtype)
+        outputs = ops.cast(outputs, self.compute_dtype)
         if return_state:
             return outputs, state
         return outputs
@@ -633,11 +614,10 @@ class LinearAttention(Layer):
         far_bias = ops.cast(self.far_log_scale, query.dtype) + (
             ops.zeros_like(query[..., 0]) if log_scale is None else log_scale
         )
-        # The carried window (none before a non-causal call) precedes the
-        # inputs.
+        # The carried window (zeros for a non-causal call) precedes inputs.
         state = state or self._zero_state(batch)
-        keys = ops.concatenate([state[2], _heads_first(key)], axis=2)
-        values = ops.concatenate([state[3], _heads_first(value)], axis=2)
+        keys = ops.concatenate([state[2], ops.swapaxes(key, 1, 2)], axis=2)
+        values = ops.concatenate([state[3], ops.swapaxes(value, 1, 2)], axis=2)
         valids = ops.concatenate([state[4], valid], axis=1)
         outputs, state = core.local_window(
             query * self.key_dim**-0.5,
@@ -662,9 +642,8 @@ class LinearAttention(Layer):
     def _use_recurrent(self, inputs):
         length = inputs.shape[1]
         if not isinstance(length, int):
-            # A graph traced for any length (`model.export()`; a PyTorch
-            # trace keeps neither loops nor branches on the length) runs
-            # the chunkwise algorithm, which is right at every length.
+            # A graph traced for any length, as `model.export()` writes it,
+            # runs the chunkwise algorithm, which is right at every length.
             return False
         if self.execution_mode == "auto":
             return length == 1
@@ -687,9 +666,7 @@ class LinearAttention(Layer):
         gates = ops.broadcast_to(
             log_decay, tuple(shape) + (self.num_key_value_heads,)
         )
-        if valid is None:
-            return gates
-        return gates * ops.expand_dims(valid, -1)
+        return _masked(gates, valid)
 
     def _check_streaming(self, received):
         """Refuses a state where the layer has none to carry; `received`
@@ -792,20 +769,17 @@ class LinearAttention(Layer):
         return outputs, self._zero_state(inputs.shape[0], backend.KerasTensor)
 
     def get_config(self):
-        config = {
-            name: getattr(self, name)
-            for name in (
-                "num_heads key_dim value_dim use_normalizer "
-                "normalization_epsilon causal dropout use_bias execution_mode "
-                "seed num_key_value_heads num_features local_window decay "
-                "conv_kernel_size"
-            ).split()
-        }
-        config["output_shape"] = self._output_shape
-        config["feature_map"] = linear_attention_feature_maps.serialize(
-            self.feature_map
-        )
+        names = (
+            "num_heads key_dim value_dim use_normalizer normalization_epsilon "
+            "causal dropout use_bias execution_mode seed num_key_value_heads "
+            "num_features local_window decay conv_kernel_size"
+        ).split()
+        config = {name: getattr(self, name) for name in names}
         config.update(
+            output_shape=self._output_shape,
+            feature_map=linear_attention_feature_maps.serialize(
+                self.feature_map
+            ),
             kernel_initializer=initializers.serialize(self.kernel_initializer),
             bias_initializer=initializers.serialize(self.bias_initializer),
             kernel_regularizer=regularizers.serialize(self.kernel_regularizer),
@@ -838,10 +812,6 @@ class _UncastState:
 
     def __init__(self, state):
         self.state = state
-
-
-def _heads_first(x):
-    return ops.transpose(x, (0, 2, 1, 3))
 
 
 def _clone(initializer):
@@ -943,19 +913,16 @@ def _check_projection_dtypes(projection_dtypes):
 
 def _check_batch_size(batch_size):
     """`batch_size`, a Python `int` where it is an integer. Refuses what is
-    clearly not a batch size and passes on anything else, such as a
-    symbolic size while exporting with a dynamic batch (a `torch.SymInt` or
-    a JAX dimension expression is neither an integer nor a tensor)."""
+    clearly not a batch size, but passes a symbolic size of an export with
+    a dynamic batch (a `torch.SymInt` or a JAX dimension expression)."""
     if isinstance(batch_size, np.ndarray) and batch_size.ndim == 0:
         batch_size = batch_size[()]
     if _is_integer(batch_size, 0):
         return int(batch_size)
+    not_sizes = (type(None), numbers.Number, str, bytes, list, tuple, dict)
     dtype = getattr(batch_size, "dtype", None)
     if (
-        batch_size is None
-        or isinstance(
-            batch_size, (numbers.Number, str, bytes, list, tuple, dict)
-        )
+        isinstance(batch_size, not_sizes)
         or len(getattr(batch_size, "shape", ()))
         or (dtype is not None and not backend.is_int_dtype(dtype))
     ):
@@ -996,16 +963,10 @@ def _retnet_decay_logits(shape, dtype=None):
     return ops.convert_to_tensor(np.log(decays / (1.0 - decays)), dtype=dtype)
 
 
-# The largest seed of the dropout layer that every backend's generator
-# takes (PyTorch's holds an int32).
-_MAX_DROPOUT_SEED = 2**31 - 1
-
-
 def _check_seed(seed, largest=None):
-    """`seed` as a Python `int` (or `None`), if non-negative (NumPy, which
-    draws random features, and JAX refuse negative seeds) and at most
-    `largest`."""
-    if seed is None or _is_integer(seed, 0) and seed <= (largest or math.inf):
+    """`seed` as a Python `int` or `None`, if non-negative (NumPy and JAX
+    refuse negative seeds) and at most `largest`."""
+    if seed is None or (_is_integer(seed, 0) and seed <= (largest or math.inf)):
         return _optional_int(seed)
     allowed = "a non-negative integer"
     if largest is not None:
@@ -1018,8 +979,7 @@ def _check_seed(seed, largest=None):
 def _check_input_shape(shape):
     """`shape` as a tuple, if it is the shape of one rank-3 input."""
     if not isinstance(shape, (list, tuple)):
-        # Such as TensorFlow's `TensorShape`; what upstream cannot convert
-        # is refused below.
+        # Such as TensorFlow's `TensorShape`; anything else is refused below.
         with contextlib.suppress(ValueError):
             shape = backend.standardize_shape(shape)
     if not isinstance(shape, (list, tuple)) or any(
@@ -1031,16 +991,11 @@ def _check_input_shape(shape):
             "Cross-attention (separate query/key/value inputs) is not "
             f"supported. Received input shape(s): {shape}"
         )
-    if len(shape) != 3:
+    if len(shape) != 3 or shape[-1] is None:
         raise ValueError(
-            "`inputs` must have rank 3: (batch_size, sequence_length, "
-            f"input_dim). Received: inputs with shape {tuple(shape)} (rank "
-            f"{len(shape)})"
-        )
-    if shape[-1] is None:
-        raise ValueError(
-            "The last dimension of `inputs` (input_dim) must be known. "
-            f"Received: inputs with shape {tuple(shape)}"
+            "`inputs` must have rank 3, (batch_size, sequence_length, "
+            "input_dim), and input_dim must be known. Received: inputs with "
+            f"shape {tuple(shape)}"
         )
     return tuple(shape)
 
@@ -1050,8 +1005,7 @@ def _standardize_mask(mask, inputs):
     if mask is None:
         return None
     try:
-        # Not a tensor, such as a state passed by position: the error's
-        # type depends on the backend.
+        # Such as a state passed by position; each backend raises its own.
         tensor = mask if hasattr(mask, "shape") else ops.convert_to_tensor(mask)
         dtype = backend.standardize_dtype(tensor.dtype)
     except Exception:
@@ -1081,6 +1035,5 @@ def _standardize_mask(mask, inputs):
         )
     if dtype != "bool":
         tensor = ops.not_equal(tensor, 0)
-    # `logical_and`, unlike `broadcast_to`, allows the unknown dimensions of
-    # symbolic tensors.
+    # `logical_and`, unlike `broadcast_to`, allows unknown symbolic sizes.
     return ops.logical_and(tensor, ops.ones_like(inputs[:, :, 0], dtype="bool"))
