@@ -1318,7 +1318,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         )
 
     def test_favor_plus_seed_forms(self):
-        # Beyond the unit test's `test_redraw_random_features`.
+        # Beyond `test_redraw_random_features` above.
         layer = make_layer(feature_map="favor_plus", num_features=8, seed=1)
         features = backend.convert_to_numpy(
             layer.feature_map_layer.random_features
@@ -1369,7 +1369,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         ),
     )
     def test_random_features_drawn_from_the_seed(self, feature_map, expected):
-        # Beyond the unit test's `test_redraw_random_features`: drawn with
+        # Beyond `test_redraw_random_features` above: drawn with
         # NumPy from the seed, the same on every backend and across the
         # layer's versions, in orthogonal blocks of key_dim directions.
         layer = make_layer(feature_map=feature_map, num_features=8, seed=1)
@@ -1425,7 +1425,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
 
     @parameterized.named_parameters(("int8", "int8"), ("int4", "int4"))
     def test_quantized_model_copies(self, mode):
-        # Beyond the unit test's `test_quantize`: saved again, copied with
+        # Beyond `test_quantize` above: saved again, copied with
         # other layer names, rebuilt from the config, and the weights file.
         x = random_inputs()
         inputs = layers.Input((None, INPUT_DIM))

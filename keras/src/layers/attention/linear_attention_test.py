@@ -5,7 +5,6 @@ import os
 import warnings
 
 import numpy as np
-import pytest
 from absl.testing import parameterized
 
 from keras.src import backend
@@ -106,8 +105,8 @@ CAUSAL_CASES = [
 ]
 
 
-def _inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0, dtype="float32"):
-    return np.random.RandomState(seed).normal(size=shape).astype(dtype)
+def _inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0):
+    return np.random.RandomState(seed).normal(size=shape).astype("float32")
 
 
 def _mask(batch=BATCH, length=LENGTH):
@@ -143,7 +142,8 @@ def _layer(config=None, build=True, **kwargs):
         if layer.decay == "learned":
             _shift(layer.decay_logit, -2.5, -1.0, seed=6)
         if layer.local_window:
-            _assign_far_log_scale(layer)
+            rng = np.random.RandomState(2)
+            layer.far_log_scale.assign(rng.uniform(-1, 1, layer.num_heads))
     return layer
 
 
@@ -153,13 +153,8 @@ def _shift(variable, low, high, seed):
     variable.assign(backend.convert_to_numpy(variable) + noise)
 
 
-def _assign_far_log_scale(layer, value=None):
-    """Sets `far_log_scale` to `value`, or to random values per head."""
-    (variable,) = [v for v in layer.weights if v.path.endswith("far_log_scale")]
-    shape = tuple(variable.shape)
-    if value is None:
-        value = np.random.RandomState(2).uniform(-1, 1, size=shape)
-    variable.assign(np.broadcast_to(value, shape).astype(variable.dtype))
+def _np(x):
+    return np.asarray(backend.convert_to_numpy(x), "float64")
 
 
 def _np_features(layer, y, is_query):
@@ -176,7 +171,7 @@ def _np_features(layer, y, is_query):
         # FAVOR+'s per-token factor cancels in the normalized ratio only.
         stabilize=is_query and layer.use_normalizer,
     )
-    return np.asarray(backend.convert_to_numpy(features), "float64")
+    return _np(features)
 
 
 def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
@@ -185,12 +180,7 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     In float64, from the recurrence (causal) or the sums (non-causal) of
     the formulas; `feature` replaces the layer's feature map.
     """
-    w = {
-        v.path[len(layer.path) + 1 :]: np.asarray(
-            backend.convert_to_numpy(v), "float64"
-        )
-        for v in layer.weights
-    }
+    w = {v.path[len(layer.path) + 1 :]: _np(v) for v in layer.weights}
     x = np.asarray(x, "float64")
     batch, length = x.shape[:2]
     valid = np.ones((batch, length), bool) if mask is None else mask
@@ -236,8 +226,6 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
         gamma = np.ones(layer.num_key_value_heads)
         if layer.decay == "learned":
             gamma = 1.0 / (1.0 + np.exp(-w["decay_logit"]))
-        elif layer.decay == "retnet":
-            gamma = 1.0 - 2.0 ** (-5.0 - np.arange(len(gamma)))
         elif layer.decay is not None:
             gamma = gamma * np.asarray(layer.decay, "float64")
         # S_t = gamma^m_t S_(t-1) + phi(k_t)^T v_t (z_t likewise), where
@@ -273,10 +261,6 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     # One state per key/value head (equal within a group).
     state = (s[:, ::group], z[:, ::group])[: 2 if layer.use_normalizer else 1]
     return outputs, state + tuple(convolved[n] for n in names if n in convolved)
-
-
-def _np(x):
-    return np.asarray(backend.convert_to_numpy(x), "float64")
 
 
 def _np_convolve(x, kernel, previous, causal):
@@ -327,7 +311,7 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
     """Gradients of `sum(layer(x) * upstream)` from a state.
 
     W.r.t. `x`, the state elements but a hybrid's `window_valid` (a flag)
-    and the trainable weights.
+    and the trainable weights; on JAX, TensorFlow or PyTorch.
     """
     # Tensors, as the other elements: Keras refuses a nested call argument
     # that mixes tensors (tracers) and NumPy arrays.
@@ -359,7 +343,7 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
             y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
             loss = tf.reduce_sum(y * upstream)
         grads = tape.gradient(loss, [x] + state + weights)
-    elif backend.backend() == "torch":
+    else:
         import torch
 
         x = torch.tensor(x, requires_grad=True)
@@ -367,9 +351,7 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
         y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
         loss = torch.sum(y * torch.tensor(upstream))
         grads = torch.autograd.grad(loss, [x] + state + weights)
-    else:
-        pytest.skip(f"No gradients on the {backend.backend()} backend.")
-    return [np.asarray(backend.convert_to_numpy(g), "float64") for g in grads]
+    return [_np(g) for g in grads]
 
 
 def _stream(layer, x, sizes, mask=None):
@@ -547,8 +529,8 @@ class LinearAttentionTest(testing.TestCase):
             "conv_kernel_size": 3,
         }
         # `projection_dtypes` is written only for quantized projections
-        # (see test_quantize); `local_window` refuses `use_normalizer=False`
-        # (see test_config_values).
+        # (`test_quantize` in `integration_tests/`); `local_window` refuses
+        # `use_normalizer=False` (below).
         parameters = set(inspect.signature(LinearAttention).parameters)
         self.assertEqual(
             set(arguments),
@@ -561,8 +543,7 @@ class LinearAttentionTest(testing.TestCase):
             self.assertEqual(config[name], value, msg=name)
         restored = LinearAttention.from_config(config)
         self.assertEqual(restored.get_config(), config)
-
-    def test_config_values(self):
+        # The defaults.
         config = LinearAttention(2, 4).get_config()
         self.assertEqual(config["normalization_epsilon"], 1e-6)
         self.assertEqual(config["feature_map"], "elu_plus_one")
@@ -646,13 +627,6 @@ class LinearAttentionTest(testing.TestCase):
         ("causal", {"causal": "yes"}, "causal"),
         ("key_value_heads", {"num_key_value_heads": 0}, "num_key_value_heads"),
         ("not_a_multiple", {"num_key_value_heads": 3}, "num_heads"),
-        ("num_features_unused", {"num_features": 8}, "num_features"),
-        (
-            "num_features_odd",
-            {"feature_map": "hedgehog", "num_features": 7},
-            "num_features",
-            "=7",
-        ),
         ("seed", {"seed": 1.5}, "seed"),
         (
             "projection_dtypes",
@@ -676,12 +650,9 @@ class LinearAttentionTest(testing.TestCase):
             LinearAttention(**{"num_heads": 2, "key_dim": 4, **kwargs})
 
     def test_invalid_inputs(self):
+        # (cosFormer's refusal of a state: `CosFormerTest` in
+        # `linear_attention_feature_maps_test.py`.)
         x, layer = _inputs(), _layer(causal=True)
-        cosformer = _layer("cosformer", causal=True)
-        cosformer_state = (
-            np.zeros((BATCH, NUM_HEADS, 2 * KEY_DIM, VALUE_DIM), "float32"),
-            np.zeros((BATCH, NUM_HEADS, 2 * KEY_DIM), "float32"),
-        )
         for message, call in (
             ("rank 3", lambda: layer(x[:, 0])),
             ("floating", lambda: layer(x.astype("int32"))),
@@ -701,16 +672,6 @@ class LinearAttentionTest(testing.TestCase):
                     causal=True, feature_map=lambda f: ops.sum(f, -1)
                 )(x),
             ),
-            # cosFormer's features depend on the length of each call.
-            (
-                "feature_map='cosformer'",
-                lambda: cosformer(x, return_state=True),
-            ),
-            ("feature_map='cosformer'", lambda: cosformer.get_initial_state(2)),
-            (
-                "feature_map='cosformer'",
-                lambda: cosformer(x, initial_state=cosformer_state),
-            ),
         ):
             with self.assertRaisesRegex(ValueError, message):
                 call()
@@ -719,70 +680,42 @@ class LinearAttentionTest(testing.TestCase):
     # other.
 
     @parameterized.named_parameters(
-        [
-            (f"{config}_{causal}", config, causal == "causal")
-            for config in CONFIGS
-            for causal in ("non_causal", "causal")
-        ]
-        + [
-            ("unnormalized", None, True, None, False),
-            ("favor_plus_unnormalized", "favor_plus", True, None, False),
-            (
-                "favor_plus_unnormalized_non_causal",
-                "favor_plus",
-                False,
-                None,
-                False,
-            ),
-            ("decay_half", None, True, 0.5),
-            ("decay_grouped", "grouped", True, 0.9),
-            ("decay_near_one_favor_plus", "favor_plus", True, 0.999),
-            ("decay_per_head_hedgehog", "hedgehog", True, [0.7, 0.95]),
-            ("decay_retnet_unnormalized", None, True, "retnet", False),
-            ("decay_learned_hedgehog", "grouped_hedgehog", True, "learned"),
-            (
-                "decay_learned_fourier",
-                "grouped_random_fourier",
-                True,
-                "learned",
-            ),
-        ]
+        (f"{config}_{causal}", config, causal == "causal")
+        for config in CONFIGS
+        for causal in ("non_causal", "causal")
     )
-    def test_matches_reference(self, config, causal, decay=None, norm=True):
-        # Left padding and holes, which neither add to the state nor decay
-        # it, and hold NaN, which must not leak; a carried state (which
-        # decays) where the map streams.
-        layer = _layer(config, causal=causal, decay=decay, use_normalizer=norm)
+    def test_matches_reference(self, config, causal):
+        # Left padding and holes, which add nothing to the state, and hold
+        # NaN, which must not leak; a carried state where the map streams.
+        # Each form of decay, and layers without the normalizer, against
+        # the same reference: `linear_attention_reference_test.py` in
+        # `integration_tests/`.
+        layer = _layer(config, causal=causal)
         streams = causal and layer.feature_map_layer.streams
         state = _random_state(layer) if streams else None
         x, mask = _inputs(), _mask()
         expected, expected_state = _np_reference(layer, x, mask, state)
         x = np.where(mask[..., None], x, np.nan).astype("float32")
-        if not causal:
-            y = layer(x, mask=mask)
-            self.assertClose(y, expected)
-            # One algorithm whatever the execution mode.
-            for mode in ("parallel", "recurrent"):
-                layer.execution_mode = mode
-                self.assertAllEqual(layer(x, mask=mask), y, msg=mode)
-            return
+        outputs = []
         for mode in ("recurrent", "parallel"):
             layer.execution_mode = mode
-            if not streams:
-                self.assertClose(layer(x, mask=mask), expected, msg=mode)
-                continue
-            y, final_state = layer(
-                x, mask=mask, initial_state=state, return_state=True
-            )
+            y = layer(x, mask=mask, initial_state=state, return_state=streams)
+            if streams:
+                y, final_state = y
+                self.assertStateClose(final_state, expected_state, msg=mode)
             self.assertClose(y, expected, msg=mode)
-            self.assertStateClose(final_state, expected_state, msg=mode)
+            outputs.append(y)
+        if not causal:
+            # One algorithm whatever the execution mode.
+            self.assertAllEqual(outputs[0], outputs[1])
 
     @parameterized.named_parameters(CAUSAL_CASES)
     def test_full_chunked_and_token_by_token_agree(self, config, kwargs):
-        # Two chunks of the parallel algorithm, the second one partial;
-        # pieces that end before and on a chunk edge, shorter and longer
-        # than a window, and single tokens (the recurrent step), past a
-        # short window.
+        # Full calls against streams: two chunks of the parallel
+        # algorithm, the second one partial; pieces that end before and on
+        # a chunk edge, shorter and longer than a window, and single
+        # tokens (the recurrent step), past a short window. Then the
+        # parallel and recurrent algorithms' gradients.
         layer = _layer(config, causal=True, **kwargs)
         chunk = layer._chunk_size
         length = chunk + 3
@@ -811,31 +744,23 @@ class LinearAttentionTest(testing.TestCase):
                 self.assertClose(streamed, full, msg=message)
                 self.assertStateClose(state, full_state, msg=message)
 
-    @parameterized.named_parameters(CAUSAL_CASES)
-    @pytest.mark.requires_trainable_backend
-    def test_parallel_and_recurrent_gradients_agree(self, config, kwargs):
-        parallel = _layer(
-            config, causal=True, execution_mode="parallel", **kwargs
-        )
-        recurrent = _layer(
-            config, causal=True, execution_mode="recurrent", **kwargs
-        )
-        recurrent.set_weights(parallel.get_weights())
-        state = _random_state(parallel)
-        # Masked steps hold NaN: it must reach neither outputs nor
-        # gradients.
-        mask = _mask()
+        if backend.backend() in ("numpy", "openvino"):
+            return  # No gradients on these backends.
+        # Both algorithms' outputs and gradients from a carried state;
+        # masked steps hold NaN, which must reach neither.
+        state, mask = _random_state(layer), _mask()
         x = np.where(mask[..., None], _inputs(), np.nan).astype("float32")
         upstream = _inputs(seed=5)
-        self.assertClose(
-            parallel(x, mask=mask, initial_state=state),
-            recurrent(x, mask=mask, initial_state=state),
-        )
-        expected = _gradients(recurrent, x, state, upstream, mask=mask)
-        actual = _gradients(parallel, x, state, upstream, mask=mask)
+        outputs, gradients = [], []
+        for mode in ("recurrent", "parallel"):
+            layer.execution_mode = mode
+            outputs.append(layer(x, mask=mask, initial_state=state))
+            gradients.append(_gradients(layer, x, state, upstream, mask=mask))
+        self.assertClose(outputs[1], outputs[0])
+        expected, actual = gradients
         # A hybrid's window validity flags are not differentiated.
-        num_inputs = 1 + len(state) - bool(parallel.local_window)
-        self.assertLen(actual, num_inputs + len(parallel.trainable_variables))
+        num_inputs = 1 + len(state) - bool(layer.local_window)
+        self.assertLen(actual, num_inputs + len(layer.trainable_variables))
         for i, (a, e) in enumerate(zip(actual, expected)):
             # Every input, state element and weight is trained, e.g. the
             # Hedgehog kernel, the decay and the far scale too.
@@ -858,8 +783,10 @@ class LinearAttentionTest(testing.TestCase):
         layer = _layer(
             causal=causal, local_window=window, normalization_epsilon=1e-12
         )
-        # A far scale that must not matter where the far part is empty.
-        _assign_far_log_scale(layer, far_log_scale)
+        # `_layer`'s random far scale, which must not matter where the far
+        # part is empty, or one that scales the far part to zero.
+        if far_log_scale is not None:
+            layer.far_log_scale.assign(np.full(NUM_HEADS, far_log_scale))
         x = _inputs()
         mha = layers.MultiHeadAttention(NUM_HEADS, KEY_DIM, VALUE_DIM)
         mha.build(x.shape, x.shape)
@@ -1135,19 +1062,16 @@ class LinearAttentionTest(testing.TestCase):
             reference.set_weights(layer.get_weights())
             for variable in layer.weights:
                 self.assertDType(variable, "float32")
+            y = layer(x, mask=mask, return_state=causal)
+            expected = reference(x, mask=mask, return_state=causal)
+            if causal:
+                (y, state), (expected, expected_state) = y, expected
+            self.assertDType(y, dtype)
+            self.assertClose(y, expected, tol)
             if not causal:
-                y = layer(x, mask=mask)
-                self.assertDType(y, dtype)
-                self.assertClose(y, reference(x, mask=mask), tol)
                 continue
             # The state is kept in float32.
             self.assertEqual(layer.accumulator_dtype, "float32")
-            y, state = layer(x, mask=mask, return_state=True)
-            expected, expected_state = reference(
-                x, mask=mask, return_state=True
-            )
-            self.assertDType(y, dtype)
-            self.assertClose(y, expected, tol)
             for s in state:
                 self.assertDType(s, "float32")
             # Its sums add the rounded keys and values of every step; a
