@@ -157,42 +157,58 @@ def _csv_rows(results):
 
 
 def plot(results, path):
-    """Accuracy against state bytes (log), a panel per size."""
+    """Accuracy against state bytes (log), a panel per size; a configuration
+    and its `_conv` variant share a colour and a line."""
     # A figure of its own, without pyplot, needs no GUI backend.
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     sizes = sorted({run["pairs"] for run in results["runs"]})
+    bases = list(
+        dict.fromkeys(n.removesuffix("_conv") for n in results["configs"])
+    )
     # The 10 dark colours of tab20 first, then their light pairs.
     colours = colormaps["tab20"].colors[0::2] + colormaps["tab20"].colors[1::2]
-    colour = {
-        name: colours[i % 20] for i, name in enumerate(results["configs"])
-    }
+    colour = {name: colours[i % 20] for i, name in enumerate(bases)}
     figure = Figure(figsize=(6.5 * len(sizes), 5))
     axes = figure.subplots(1, len(sizes), squeeze=False)[0]
     for axis, pairs in zip(axes, sizes):
+        runs = {
+            run["config"]: run
+            for run in best_runs(results["runs"], pairs, results["seed"])
+        }
         # Labels of points at the same place go one under the other.
         placed = {}
-        for run in best_runs(results["runs"], pairs, results["seed"]):
+        for name, run in runs.items():
+            base = name.removesuffix("_conv")
             point = (run["state_bytes"], run["accuracy"])
-            axis.plot(
-                *point,
-                "^"
-                if run["config"] == "mha"
-                else "s"
-                if run["config"].endswith("_conv")
-                else "o",
-                color=colour[run["config"]],
-            )
+            marker = "^" if name == "mha" else "s" if base != name else "o"
+            axis.plot(*point, marker, color=colour[base])
+            if base in runs and base != name:
+                other = runs[base]
+                axis.plot(
+                    (other["state_bytes"], point[0]),
+                    (other["accuracy"], point[1]),
+                    color=colour[base],
+                    alpha=0.35,
+                    linewidth=1,
+                )
+                continue
             spot = (run["state_bytes"], round(run["accuracy"], 1))
             below = placed[spot] = placed.get(spot, -1) + 1
             axis.annotate(
-                run["config"],
+                base,
                 point,
                 textcoords="offset points",
                 xytext=(5, 3 - 10 * below),
                 fontsize="small",
             )
+        for marker, label in (
+            ("o", "LinearAttention"),
+            ("s", "the same with conv_kernel_size=4"),
+            ("^", "MultiHeadAttention"),
+        ):
+            axis.plot([], [], marker, color="grey", label=label)
         axis.axhline(
             task.elimination_accuracy(pairs),
             color="grey",
@@ -206,7 +222,7 @@ def plot(results, path):
         axis.set_ylabel("held-out recall accuracy")
         axis.set_title(f"{pairs} pairs (T = {task.length(pairs)})")
         axis.grid(True, alpha=0.3)
-        axis.legend(loc="center right", fontsize="small")
+        axis.legend(loc="center left", fontsize="small")
     figure.suptitle(
         f"MQAR recall against state size, {results['backend']}, "
         f"{results['date']}",

@@ -41,10 +41,11 @@ class LinearAttention(Layer):
     grow linearly with the sequence length. With `causal=True` the layer is
     also a recurrent network whose constant-size state can be carried
     across calls, for streaming and generation. For sequences of a few
-    hundred tokens or fewer, `MultiHeadAttention` is usually faster, and it
-    remains the choice for exact recall of earlier tokens; with linear
-    attention, `conv_kernel_size=4`, and `feature_map="taylor"` at a small
-    `key_dim` for more items, recall far better.
+    hundred tokens or fewer, `MultiHeadAttention` is usually faster. Tasks
+    that recall earlier tokens, such as language modelling, need
+    `conv_kernel_size=4`, and `feature_map="taylor"` at a small `key_dim`
+    for more items; `MultiHeadAttention` remains the choice for exact
+    recall of more items than a fixed-size state can hold.
 
     Args:
         num_heads: Number of attention heads.
