@@ -90,24 +90,21 @@ class FeatureMap(Layer):
 
     @property
     def initial_far_log_scale(self):
-        """The starting `far_log_scale` of a layer with `local_window`:
-        `log E[exp(s)] - log E[phi(q) . phi(k)]` for `s = q . k /
-        sqrt(key_dim)` and standard normal `q` and `k`, so that the far part
-        starts on the window's scale. 0 for maps that estimate `exp(s)`."""
+        """`far_log_scale` to start a `local_window` layer on the window's
+        scale: `log E[exp(s)] - log E[phi(q) . phi(k)]`, `s = q . k /
+        sqrt(key_dim)` of standard normal `q`, `k` (0 if it estimates
+        `exp(s)`)."""
         return 0.0
 
     def build(self, input_shape):
         self.heads = input_shape[2]
 
     def features(self, x, positions=None, length=None, stabilize=False):
-        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys.
-
-        `positions`: the `(time,)` indices of the steps in the call and
-        `length`: the call's length, for maps that weigh by position.
-        With `stabilize`, a map may divide each token's features by a
-        factor; returns the features and the factor's log, `(batch, time,
-        heads)`, or `None`.
-        """
+        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys, and
+        the log of a per-token factor `(batch, time, heads)` that a map may
+        divide them by with `stabilize` (else `None`). `positions` (the
+        steps' indices) and `length` (the call's) are for maps that weigh
+        by position."""
         raise NotImplementedError
 
     def call(self, x):
@@ -342,8 +339,7 @@ class Hedgehog(_SizedFeatureMap):
         self.kernel = self.add_weight(
             name="kernel",
             shape=(self.heads, self.key_dim, self.num_features // 2),
-            # Identity matrices, so that `phi(x)` starts as
-            # `softmax([x, -x])`, where every feature of x counts.
+            # Identities: `phi(x)` starts as `softmax([x, -x])`.
             initializer=lambda shape, dtype=None: ops.convert_to_tensor(
                 np.tile(np.eye(*shape[1:]), (shape[0], 1, 1)), dtype
             ),
@@ -373,11 +369,9 @@ class Hedgehog(_SizedFeatureMap):
 
 
 class _Function(FeatureMap):
-    """A registered callable or `Layer` as a feature map.
-
-    With `same_size` (causal layers, whose state has `key_dim` features),
-    it must keep its input's shape; otherwise any number of features.
-    """
+    """A registered callable or `Layer` as a feature map; with `same_size`
+    (causal layers, whose state has `key_dim` features) it must keep its
+    input's shape, otherwise any number of features."""
 
     def __init__(
         self, key_dim, function, same_size=True, num_features=None, **kwargs
@@ -395,9 +389,8 @@ class _Function(FeatureMap):
     def build(self, input_shape):
         super().build(input_shape)
         if isinstance(self.function, Layer) and not self.function.built:
-            # Built with the layer so that its weights exist and load with
-            # it; with unknown batch and length, which a symbolic call on
-            # PyTorch would replace by placeholder sizes.
+            # Built with the layer, so that its weights load with it, for
+            # any batch and length (not PyTorch's placeholder sizes).
             shape = (None, None) + tuple(input_shape[2:])
             if not utils.is_default(self.function.build):
                 self.function.build(shape)
@@ -478,13 +471,8 @@ def get(identifier, key_dim, same_size=True, **options):
 
 def serialize(feature_map):
     """`feature_map` for a config: a name as it is, a callable serialized
-    if it would load back (and a `ValueError` if not).
-
-    A function must load as itself (registered ones and Keras's own, such
-    as `keras.activations.softplus`), a callable object or `Layer` as an
-    object of its class (registered classes, Keras's layers, and others
-    inside a `keras.saving.custom_object_scope`).
-    """
+    if it loads back (a function as itself, an object as one of its class),
+    and a `ValueError` if not."""
     if isinstance(feature_map, str):
         return feature_map
     error = None
@@ -517,13 +505,9 @@ def serialize(feature_map):
 
 
 def orthogonal_random_features(key_dim, num_features, seed):
-    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy.
-
-    Blocks of `key_dim` orthonormal directions (QR of a Gaussian matrix,
-    with the signs that make it uniformly distributed), scaled by the norms
-    of Gaussian vectors so that each column is marginally Gaussian
-    (Choromanski et al., 2021).
-    """
+    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy:
+    blocks of `key_dim` uniform orthonormal directions, scaled by the norms
+    of Gaussian vectors, so that each column is marginally Gaussian."""
     if seed is None:
         # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
         seed = np.random.randint(2**31 - 1)

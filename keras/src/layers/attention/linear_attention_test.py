@@ -724,12 +724,14 @@ class LinearAttentionTest(testing.TestCase):
         mask[0, :5] = False  # left padding
         mask[1, chunk - 2 : chunk + 1] = False  # a gap across a chunk edge
         mask[1, -1:] = False  # right padding
-        tokens = min((layer.local_window or 4) + 2, 24)
+        # Single tokens past the short windows (longer ones wrap in the
+        # longer pieces).
+        tokens = min((layer.local_window or 4) + 2, 8)
         step_masks = (None, mask)
         if backend.backend() == "openvino":
             # OpenVINO compiles each call together with the calls whose
             # state it takes: time grows with the square of the calls.
-            tokens, step_masks = min(tokens, 8), (mask,)
+            step_masks = (mask,)
         for step_mask in step_masks:
             full, full_state = layer(x, mask=step_mask, return_state=True)
             if not layer.local_window:
