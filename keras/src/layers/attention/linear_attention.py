@@ -41,9 +41,9 @@ class LinearAttention(Layer):
     grow linearly with the sequence length. With `causal=True` the layer is
     also a recurrent network whose constant-size state can be carried
     across calls, for streaming and generation. For sequences of a few
-    hundred tokens or fewer, `MultiHeadAttention` is usually faster. Tasks
-    that recall earlier tokens, such as language modelling, need
-    `conv_kernel_size=4`, and `feature_map="taylor"` at a small `key_dim`
+    hundred tokens or fewer, `MultiHeadAttention` is usually faster. For
+    tasks that recall earlier tokens, such as language modelling, use
+    `conv_kernel_size=4`, with `feature_map="taylor"` at a small `key_dim`
     for more items; `MultiHeadAttention` remains the choice for exact
     recall of more items than a fixed-size state can hold.
 
