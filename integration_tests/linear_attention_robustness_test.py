@@ -732,7 +732,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             layer(random_inputs((2, 3, 4, 8)))
         with self.assertRaisesRegex(ValueError, "floating-point"):
             make_layer(build=False)(np.ones((2, 3, 8), "bool"))
-        with self.assertRaisesRegex(ValueError, "input_dim.*must be known"):
+        with self.assertRaisesRegex(ValueError, "a known input_dim"):
             make_layer(build=False)(layers.Input((None, None)))
         x = random_inputs()
         with self.assertRaisesRegex(ValueError, "(?i)cross-attention"):

@@ -43,9 +43,9 @@ class LinearAttention(Layer):
     across calls, for streaming and generation. For sequences of a few
     hundred tokens or fewer, `MultiHeadAttention` is usually faster. For
     tasks that recall earlier tokens, such as language modelling, use
-    `conv_kernel_size=4`, with `feature_map="taylor"` at a small `key_dim`
-    for more items; `MultiHeadAttention` remains the choice for exact
-    recall of more items than a fixed-size state can hold.
+    `conv_kernel_size=4`, and for the most reliable recall
+    `feature_map="taylor"` at a small `key_dim`; `MultiHeadAttention`
+    remains the choice for more items than a fixed-size state can hold.
 
     Args:
         num_heads: Number of attention heads.
@@ -233,10 +233,10 @@ class LinearAttention(Layer):
         self.local_window = _optional_int(local_window)
         self.conv_kernel_size = _optional_int(conv_kernel_size)
         self.decay = _check_decay(decay, self.num_key_value_heads)
-        self._check_options()
+        self._check_options(decay)
         self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
 
-    def _check_options(self):
+    def _check_options(self, decay):
         """Refuses options that do not go together; warns of float16
         outputs that can overflow."""
         if self.num_heads % self.num_key_value_heads:
@@ -257,7 +257,7 @@ class LinearAttention(Layer):
             raise ValueError(
                 "`decay` needs `causal=True`: it weighs each step by how "
                 "long ago it was, which non-causal attention has no order "
-                f"for. Received: decay={self.decay!r}, causal={self.causal}"
+                f"for. Received: decay={decay!r}, causal={self.causal}"
             )
         if self.compute_dtype == "float16" and not (
             self.use_normalizer and self._feature_map.non_negative
@@ -994,9 +994,9 @@ def _check_input_shape(shape):
         )
     if len(shape) != 3 or shape[-1] is None:
         raise ValueError(
-            "`inputs` must have rank 3, (batch_size, sequence_length, "
-            "input_dim), and input_dim must be known. Received: inputs with "
-            f"shape {tuple(shape)}"
+            "`inputs` must have rank 3, shape (batch_size, sequence_length, "
+            "input_dim) with a known input_dim. Received: inputs with shape "
+            f"{tuple(shape)}"
         )
     return tuple(shape)
 
