@@ -37,7 +37,7 @@ In this example we:
    `LinearAttention(causal=True, decay="learned")`, the hybrid
    `LinearAttention(causal=True, local_window=W)`, and
    `MultiHeadAttention(use_causal_mask=True)`; every `LinearAttention`
-   has the short convolution (`conv_kernel_size=4`) that recall needs;
+   has the short convolution (`conv_kernel_size=4`) advised for recall;
 2. train them on a synthetic task with two parts: associative recall of
    key/value pairs seen long ago (beyond the window), and copying of the
    last few tokens (inside it);
@@ -185,8 +185,8 @@ KINDS = {
     "hybrid": f"LinearAttention, local_window={WINDOW}",
     "softmax": "MultiHeadAttention",
 }
-# Mixes each query, key and value with the 3 before them, which tying a
-# value to its key needs.
+# Mixes each query, key and value with the 3 before them, which helps tie
+# a value to its key.
 CONV_KERNEL_SIZE = 4
 
 

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 
 from linear_attention_recall import models
@@ -177,12 +178,14 @@ def plot(results, path):
             run["config"]: run
             for run in best_runs(results["runs"], pairs, results["seed"])
         }
-        # Labels of points at the same place go one under the other.
+        # Labels of near points go one under the other.
         placed = {}
+        markers = set()
         for name, run in runs.items():
             base = name.removesuffix("_conv")
             point = (run["state_bytes"], run["accuracy"])
             marker = "^" if name == "mha" else "s" if base != name else "o"
+            markers.add(marker)
             axis.plot(*point, marker, color=colour[base])
             if base in runs and base != name:
                 other = runs[base]
@@ -194,10 +197,14 @@ def plot(results, path):
                     linewidth=1,
                 )
                 continue
-            spot = (run["state_bytes"], round(run["accuracy"], 1))
+            # Near points (a decade, 0.05) whose labels would overlap.
+            spot = (
+                round(math.log10(run["state_bytes"])),
+                round(20 * run["accuracy"]),
+            )
             below = placed[spot] = placed.get(spot, -1) + 1
             axis.annotate(
-                base,
+                name,
                 point,
                 textcoords="offset points",
                 xytext=(5, 3 - 10 * below),
@@ -205,10 +212,11 @@ def plot(results, path):
             )
         for marker, label in (
             ("o", "LinearAttention"),
-            ("s", "the same with conv_kernel_size=4"),
+            ("s", "with conv_kernel_size=4"),
             ("^", "MultiHeadAttention"),
         ):
-            axis.plot([], [], marker, color="grey", label=label)
+            if marker in markers:
+                axis.plot([], [], marker, color="grey", label=label)
         axis.axhline(
             task.elimination_accuracy(pairs),
             color="grey",
