@@ -29,6 +29,13 @@ class TrainedLM:
     w_eval: np.ndarray
 
 
+@pytest.fixture(autouse=True)
+def same_weights_in_any_order():
+    """Layers' initializers are unseeded: seeded here, each test draws the
+    same weights in any test order (pytest-xdist) and on any machine."""
+    keras.utils.set_random_seed(0)
+
+
 @pytest.fixture(scope="session")
 def trained_lm():
     keras.utils.set_random_seed(SEED)

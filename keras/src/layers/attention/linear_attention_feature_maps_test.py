@@ -13,6 +13,7 @@ from keras.src import saving
 from keras.src import testing
 from keras.src.layers.attention import linear_attention_feature_maps as maps
 from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.utils import rng_utils
 
 # float64 maps and layers against the float64 NumPy references: summation
 # order only, where a wrong formula is off by far more.
@@ -191,11 +192,13 @@ def _np_cosformer_layer(layer, x, mask):
 
 
 class _TestCase(testing.TestCase):
-    """float64 enabled on JAX for every test."""
+    """float64 enabled on JAX for every test; the same (unseeded) weights
+    in any test order and on any machine."""
 
     def setUp(self):
         super().setUp()
         self.enterContext(_float64_enabled())
+        rng_utils.set_random_seed(0)
 
     def assertClose(self, actual, expected, tol=TOL):
         self.assertAllClose(actual, expected, atol=tol, rtol=tol)

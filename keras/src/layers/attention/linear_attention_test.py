@@ -18,6 +18,7 @@ from keras.src import saving
 from keras.src import testing
 from keras.src.layers.attention.linear_attention import LinearAttention
 from keras.src.models import cloning
+from keras.src.utils import rng_utils
 
 # float32 layer against the NumPy reference, and two float32 algorithms
 # (parallel, recurrent, streamed) against each other: rounding only, where
@@ -377,6 +378,12 @@ def squared_relu_plus_one(x):
 
 
 class LinearAttentionTest(testing.TestCase):
+    def setUp(self):
+        super().setUp()
+        # The initializers are unseeded: the same weights in any test order
+        # (pytest-xdist) and on any machine.
+        rng_utils.set_random_seed(0)
+
     def assertClose(self, actual, expected, tol=FLOAT32_TOL, msg=None):
         self.assertAllClose(actual, expected, atol=tol, rtol=tol, msg=msg)
 
