@@ -192,8 +192,9 @@ def _np_cosformer_layer(layer, x, mask):
 
 
 class _TestCase(testing.TestCase):
-    """float64 enabled on JAX for every test; the same (unseeded) weights
-    in any test order and on any machine."""
+    """float64 enabled on JAX, and the random seed set, for every test: the
+    initializers are unseeded, and each test draws the same weights in any
+    order."""
 
     def setUp(self):
         super().setUp()
