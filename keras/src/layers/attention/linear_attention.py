@@ -494,25 +494,46 @@ class LinearAttention(Layer):
         initial_state=None,
         return_state=False,
         training=None,
+        segment_ids=None,
     ):
         if isinstance(initial_state, _UncastState):
             initial_state = initial_state.state
-        self._check_call_arguments(inputs, initial_state, return_state)
+        carried_id, initial_state = self._check_call_arguments(
+            inputs, initial_state, return_state, segment_ids
+        )
         # `Layer.__call__` passes the inputs' mask only to calls with one
         # tensor argument, not to calls with `initial_state`.
         if mask is None:
             mask = backend.get_keras_mask(inputs)
         mask = _standardize_mask(mask, inputs)
+        back = lengths = None
         if mask is not None:
             # Padding's inf or nan would reach the weights through gradients.
             inputs = _masked(inputs, mask)
+            if (
+                self.conv_kernel_size
+                or self.local_window
+                or segment_ids is not None
+            ):
+                # A masked step is not there: each row's come last.
+                order, back = core.unmasked_first(mask)
+                inputs = core.take_steps(inputs, order)
+                lengths = ops.sum(ops.cast(mask, "int32"), axis=1)
+                mask = core.take_steps(ops.cast(mask, "int32"), order) > 0
+                if segment_ids is not None:
+                    segment_ids = core.take_steps(segment_ids, order)
         dtype = self.accumulator_dtype
         state = None
         if self.causal:
             state = initial_state or self._zero_state(ops.shape(inputs)[0])
             state = tuple(ops.cast(s, dtype) for s in state)
+        documents = None
+        if segment_ids is not None:
+            documents, carried_id = _documents(
+                segment_ids, mask, lengths, carried_id, dtype
+            )
         (query, key, value), state, conv_state = self._project(
-            inputs, mask, state
+            inputs, mask, state, documents, lengths
         )
         # The values masked, so that no product can bring masked steps back.
         value = _masked(value, mask)
@@ -523,9 +544,13 @@ class LinearAttention(Layer):
             shape = tuple(ops.shape(inputs)[:2])
             outputs = ops.zeros(shape + (self.num_heads, self.value_dim), dtype)
         elif self.local_window is not None:
-            outputs, state = self._local_window(query, key, value, valid, state)
+            outputs, state = self._local_window(
+                query, key, value, valid, state, documents, lengths
+            )
         else:
-            outputs, state = self._linear(query, key, value, valid, state)
+            outputs, state = self._linear(
+                query, key, value, valid, state, documents
+            )
         if conv_state:
             # Back into the order of `_state_shapes`, by name.
             names = [n for n in self._state_shapes() if n not in conv_state]
@@ -539,11 +564,13 @@ class LinearAttention(Layer):
         # has a policy of its own.
         outputs = _masked(self._output_dense(outputs), mask)
         outputs = ops.cast(outputs, self.compute_dtype)
-        if return_state:
-            return outputs, state
-        return outputs
+        if back is not None:
+            outputs = core.take_steps(outputs, back)
+        if not return_state:
+            return outputs
+        return outputs, state + (() if carried_id is None else (carried_id,))
 
-    def _project(self, inputs, mask, state):
+    def _project(self, inputs, mask, state, documents=None, lengths=None):
         """The queries, keys and values `(batch, time, heads, size)` in the
         accumulator dtype, through the short convolution if any; the state
         without the convolution's steps; and those steps after the call (a
@@ -566,7 +593,11 @@ class LinearAttention(Layer):
         ):
             # Masked steps enter as zeros.
             x, recent[name] = core.short_convolution(
-                _masked(x, mask), ops.cast(kernel, x.dtype), before
+                _masked(x, mask),
+                ops.cast(kernel, x.dtype),
+                before,
+                documents,
+                lengths,
             )
             outputs.append(x)
         return outputs, state, recent if self.causal else {}
@@ -579,7 +610,7 @@ class LinearAttention(Layer):
             clamp=not self._feature_map.non_negative,
         )
 
-    def _linear(self, query, key, value, valid, state):
+    def _linear(self, query, key, value, valid, state, documents=None):
         """The plain layer: feature maps, then linear attention."""
         query = self._feature_map.features(
             query, stabilize=self.use_normalizer
@@ -588,7 +619,13 @@ class LinearAttention(Layer):
         key = _masked(self._feature_map.features(key)[0], valid)
         if not self.causal:
             outputs = core.non_causal(
-                query, key, value, self._readout, self.use_normalizer
+                query,
+                key,
+                value,
+                self._readout,
+                self.use_normalizer,
+                documents,
+                self._chunk_size,
             )
             return outputs, None
         return core.causal(
@@ -600,9 +637,12 @@ class LinearAttention(Layer):
             self._readout,
             self._use_recurrent(query),
             self._chunk_size,
+            documents,
         )
 
-    def _local_window(self, query, key, value, valid, state):
+    def _local_window(
+        self, query, key, value, valid, state, documents=None, lengths=None
+    ):
         """Softmax over the last `local_window` steps, linear beyond."""
         batch, length = ops.shape(query)[:2]
         if valid is None:
@@ -620,6 +660,11 @@ class LinearAttention(Layer):
         keys = ops.concatenate([state[2], ops.swapaxes(key, 1, 2)], axis=2)
         values = ops.concatenate([state[3], ops.swapaxes(value, 1, 2)], axis=2)
         valids = ops.concatenate([state[4], valid], axis=1)
+        if documents is not None:
+            # The carried window is document 0.
+            documents = ops.concatenate(
+                [ops.zeros_like(state[4]), documents], axis=1
+            )
         outputs, state = core.local_window(
             query * self.key_dim**-0.5,
             query_features,
@@ -637,6 +682,8 @@ class LinearAttention(Layer):
             causal_mode=self.causal,
             recurrent_mode=self.causal and self._use_recurrent(query),
             chunk=self._chunk_size,
+            documents=documents,
+            lengths=lengths if self.causal else None,
         )
         return outputs, state if self.causal else None
 
@@ -687,7 +734,11 @@ class LinearAttention(Layer):
                 f"`initial_state` and returns no state. Received: {received}"
             )
 
-    def _check_call_arguments(self, inputs, initial_state, return_state):
+    def _check_call_arguments(
+        self, inputs, initial_state, return_state, segment_ids=None
+    ):
+        """Checks the call's arguments; returns the carried document id
+        (or `None`) and the rest of `initial_state`."""
         if isinstance(inputs, (list, tuple, dict)):
             _check_input_shape(tree.map_structure(ops.shape, inputs))
         _check_input_shape(tuple(inputs.shape))
@@ -704,8 +755,20 @@ class LinearAttention(Layer):
             self._check_streaming(
                 f"return_state={return_state}, initial_state {given}"
             )
+        _check_segment_ids(segment_ids, inputs)
+        if segment_ids is not None and not self._feature_map.streams:
+            raise ValueError(
+                f"feature_map={self.feature_map!r} weighs each step by its "
+                "position in the call, not in its document: it takes no "
+                "`segment_ids`. Received: segment_ids given"
+            )
+        carried_id = None
         if initial_state is not None:
+            if len(initial_state) == len(self._state_shapes()) + 1:
+                carried_id = initial_state[-1]
+                initial_state = tuple(initial_state[:-1])
             self._check_state(initial_state, inputs.shape[0])
+        return carried_id, initial_state
 
     def _check_state(self, state, batch_size):
         shapes = self._state_shapes()
@@ -759,15 +822,22 @@ class LinearAttention(Layer):
         initial_state=None,
         return_state=False,
         training=None,
+        segment_ids=None,
     ):
-        self._check_call_arguments(inputs, initial_state, return_state)
+        carried_id, _ = self._check_call_arguments(
+            inputs, initial_state, return_state, segment_ids
+        )
         _standardize_mask(mask, inputs)
         outputs = backend.KerasTensor(
             self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
         )
         if not return_state:
             return outputs
-        return outputs, self._zero_state(inputs.shape[0], backend.KerasTensor)
+        state = self._zero_state(inputs.shape[0], backend.KerasTensor)
+        if segment_ids is not None or carried_id is not None:
+            ids = segment_ids if carried_id is None else carried_id
+            state += (backend.KerasTensor(inputs.shape[:1], ids.dtype),)
+        return outputs, state
 
     def get_config(self):
         names = (
@@ -828,6 +898,52 @@ def _masked(x, mask):
     if backend.standardize_dtype(mask.dtype) != "bool":
         return x * mask
     return ops.where(mask, x, ops.zeros_like(x))
+
+
+def _documents(segment_ids, mask, lengths, carried_id, dtype):
+    """Each step's document, counted from the carried one (0), and the id
+    of the last unmasked step (unmasked steps come first)."""
+    first = segment_ids[:, :1]
+    if carried_id is not None:
+        first = ops.expand_dims(ops.cast(carried_id, segment_ids.dtype), 1)
+    ids = ops.concatenate([first, segment_ids], axis=1)
+    new = ids[:, 1:] != ids[:, :-1]
+    if mask is not None:
+        new = ops.logical_and(new, mask)
+    documents = ops.cumsum(ops.cast(new, dtype), axis=1)
+    if lengths is None:
+        return documents, ids[:, -1]
+    return documents, core.steps_before(ids, lengths + 1, 1)[:, 0]
+
+
+def _check_segment_ids(segment_ids, inputs):
+    """Refuses `segment_ids` that are not integers of shape `(batch, time)`
+    of the inputs."""
+    if segment_ids is None:
+        return
+    dtype = getattr(segment_ids, "dtype", None)
+    dtype = None if dtype is None else backend.standardize_dtype(dtype)
+    shape = tuple(getattr(segment_ids, "shape", ()))
+    if (
+        dtype is None
+        or not backend.is_int_dtype(dtype)
+        or len(shape) != 2
+        or any(
+            None not in (dim, other) and dim != other
+            for dim, other in zip(shape, inputs.shape[:2])
+        )
+    ):
+        raise ValueError(
+            "`segment_ids` must be an integer tensor of shape (batch_size, "
+            "sequence_length), the document of each step. Received: "
+            f"segment_ids of type {type(segment_ids).__name__}"
+            + (
+                ""
+                if dtype is None
+                else f" with dtype {dtype} and shape {shape}"
+            )
+            + f" for inputs with shape {tuple(inputs.shape)}"
+        )
 
 
 def _check_scalars(**arguments):

@@ -7,6 +7,9 @@ is `(S,)` or `(S, z)` (with the normalizer), of shapes `(batch, kv_heads,
 features, value_dim)` and `(batch, kv_heads, features)`. Decay comes as
 per-step log-gates `(batch, time, kv_heads)`, 0 at masked steps, or
 `None`: the state is multiplied by `exp(gate)` before each step is added.
+Packed documents come as `documents` `(batch, time)`, a float count that
+grows by one where a document starts (the carried state is document 0),
+or `None`: a step reads only the steps of its own document.
 
 `linear_step` is the reference; `chunkwise` computes the same outputs
 chunk by chunk, and `recurrent` runs any step over a sequence.
@@ -21,6 +24,9 @@ from keras.src import tree
 
 # Chunks per block of the prefix over chunks (`prefix_over_chunks`).
 _PREFIX_BLOCK = 16
+# The log-gate of a new document: `exp` of it is 0. Finite, so that sums of
+# gates never meet `inf - inf`; never in a difference of sums.
+_RESET = -1e9
 
 
 def normalize(numerator, denominator, epsilon, clamp=False):
@@ -33,8 +39,15 @@ def normalize(numerator, denominator, epsilon, clamp=False):
     return numerator / (ops.expand_dims(denominator, -1) + epsilon)
 
 
-def non_causal(query, key, value, readout, use_normalizer=True):
-    """Every query attends to every key: two sums over the sequence."""
+def non_causal(
+    query, key, value, readout, use_normalizer=True, documents=None, chunk=64
+):
+    """Every query attends to every key (of its document): two sums over
+    the sequence, or with `documents` a causal pass each way."""
+    if documents is not None:
+        return _non_causal_documents(
+            query, key, value, readout, use_normalizer, documents, chunk
+        )
     query = _split_heads(query, key.shape[2])
     key_value = ops.einsum("btkd,btke->bkde", key, value)
     numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
@@ -45,14 +58,17 @@ def non_causal(query, key, value, readout, use_normalizer=True):
     return _merge_heads(readout(numerator, denominator))
 
 
-def short_convolution(x, kernel, previous=None):
+def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
     """Depthwise convolution over time of `x` `(batch, time, ...)` with
     `kernel` `(width, ...)`, one filter per channel, `width >= 2`.
 
     Causal when `previous`, the `width - 1` steps before `x`, is given:
     `y_t = sum_j kernel_j x_(t - width + 1 + j)`; centred (zeros at both
-    ends, one more after than before for an even width) otherwise. Returns
-    `y` and the last `width - 1` steps, the next call's `previous`.
+    ends, one more after than before for an even width) otherwise. With
+    `documents`, a step reads only steps of its own document. Returns `y`
+    and the last `width - 1` of the first `lengths` `(batch,)` steps (all
+    by default), of the last one's document (zeros for others): the next
+    call's `previous`.
     """
     width = kernel.shape[0]
     if previous is None:
@@ -62,12 +78,78 @@ def short_convolution(x, kernel, previous=None):
             [zeros] * before + [x] + [zeros] * (width - 1 - before), axis=1
         )
     else:
+        before = width - 1
         padded = ops.concatenate([previous, x], axis=1)
-    # Slices that end relative to the end: no length enters the graph.
+
+    def tap(x, j):
+        # Slices that end relative to the end: no length enters the graph.
+        return x[:, j : j - width + 1 or None]
+
+    if documents is None:
+        outputs = sum(kernel[j] * tap(padded, j) for j in range(width))
+        if lengths is None:
+            return outputs, padded[:, 1 - width :]
+        return outputs, steps_before(padded, lengths + before, width - 1)
+    # The padding is document 0: the carried steps' (and zeros' otherwise).
+    documents = _prepend_zeros(documents, before)
+    documents = _append_zeros(documents, width - 1 - before)
     outputs = sum(
-        kernel[j] * padded[:, j : j - width + 1 or None] for j in range(width)
+        kernel[j]
+        * tap(padded, j)
+        * _expand_like(tap(documents, j) == tap(documents, before), x)
+        for j in range(width)
     )
-    return outputs, padded[:, 1 - width :]
+    end = ops.shape(padded)[1] if lengths is None else lengths + before
+    if lengths is None:
+        end = ops.zeros_like(documents[:, 0], "int32") + end
+    last, last_documents = (
+        steps_before(y, end, width - 1) for y in (padded, documents)
+    )
+    same = last_documents == last_documents[:, -1:]
+    return outputs, last * _expand_like(same, last)
+
+
+def unmasked_first(mask):
+    """The order of steps that puts each row's unmasked steps first, in
+    their order, then the masked ones; and the order back."""
+    valid = ops.cast(mask, "int32")
+    before = _cumsum(valid, 1)
+    steps = _cumsum(ops.ones_like(valid), 1) - 1
+    order = ops.argsort(ops.where(mask, steps, steps + ops.shape(mask)[1]))
+    masked_before = steps + 1 - before + ops.sum(valid, 1, keepdims=True)
+    return ops.cast(order, "int32"), ops.where(mask, before, masked_before) - 1
+
+
+def take_steps(x, index):
+    """The steps `index` `(batch, n)` of each row of `x` `(batch, time,
+    ...)`."""
+    shape, count = ops.shape(x), ops.shape(index)[1]
+    flat = ops.reshape(x, (shape[0], shape[1], -1))
+    index = ops.expand_dims(index, -1) + ops.zeros_like(flat[:, :1], "int32")
+    taken = ops.take_along_axis(flat, index, axis=1)
+    return ops.reshape(taken, (shape[0], count) + tuple(shape[2:]))
+
+
+def steps_before(x, end, count):
+    """The `count` steps of `x` `(batch, time, ...)` before step `end`
+    `(batch,)` of each row."""
+    steps = ops.arange(count, dtype="int32")
+    return take_steps(x, ops.expand_dims(end, 1) - count + steps)
+
+
+def _expand_like(condition, x):
+    """A `(batch, time)` condition as a 0/1 factor of `x`'s rank."""
+    condition = ops.cast(condition, x.dtype)
+    return ops.expand_dims(condition, tuple(range(2, len(x.shape))))
+
+
+def _resets(documents, log_gates, heads):
+    """`log_gates` (or none) with a zero gate where a new document starts."""
+    previous = _prepend_zeros(documents, 1)[:, :-1]
+    resets = ops.where(documents != previous, _RESET, 0.0)
+    resets = ops.cast(ops.expand_dims(resets, -1), documents.dtype)
+    resets = resets + ops.zeros((1, 1, heads), documents.dtype)
+    return resets if log_gates is None else resets + log_gates
 
 
 def linear_step(state, query, key, value, log_gate=None):
@@ -112,11 +194,25 @@ def recurrent(step, initial_state, sequences):
     return swap_batch_and_time(outputs), state
 
 
-def causal(query, key, value, state, log_gates, readout, recurrent_mode, chunk):
+def causal(
+    query,
+    key,
+    value,
+    state,
+    log_gates,
+    readout,
+    recurrent_mode,
+    chunk,
+    documents=None,
+):
     """Causal linear attention by steps or by chunks; returns the read
     outputs `(batch, time, heads, value_dim)` and the last state."""
     if not recurrent_mode:
-        return chunkwise(query, key, value, state, log_gates, readout, chunk)
+        return chunkwise(
+            query, key, value, state, log_gates, readout, chunk, documents
+        )
+    if documents is not None:
+        log_gates = _resets(documents, log_gates, key.shape[2])
 
     def step(state, inputs):
         state, numerator, denominator = linear_step(state, *inputs)
@@ -128,7 +224,9 @@ def causal(query, key, value, state, log_gates, readout, recurrent_mode, chunk):
     return recurrent(step, state, sequences)
 
 
-def chunkwise(query, key, value, state, log_gates, readout, chunk):
+def chunkwise(
+    query, key, value, state, log_gates, readout, chunk, documents=None
+):
     """The outputs of `linear_step` over a sequence, chunk by chunk: a
     masked `(chunk, chunk)` product inside each, the entering state from
     `prefix_over_chunks`. Without `readout`, the numerators and
@@ -151,6 +249,12 @@ def chunkwise(query, key, value, state, log_gates, readout, chunk):
         scores, query, key, chunk_gates = _decay_in_chunks(
             scores, query, key, log_gates, batch, length, chunk
         )
+    if documents is not None:
+        same, reads, to_end, new = _documents_in_chunks(documents, heads, chunk)
+        scores = scores * ops.expand_dims(same, 1)
+        query = query * ops.expand_dims(ops.tile(reads, (1, group)), -1)
+        key = key * ops.expand_dims(to_end, -1)
+        chunk_gates = new if chunk_gates is None else chunk_gates + new
     scores = ops.reshape(scores, shape)
     numerator = ops.einsum("xcs,xse->xce", scores, value)
 
@@ -204,6 +308,62 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
     query = query * ops.expand_dims(ops.tile(ops.exp(elapsed), (1, group)), -1)
     key = key * ops.expand_dims(ops.exp(elapsed[:, -1:] - elapsed), -1)
     return scores, query, key, ops.reshape(elapsed[:, -1], (batch, heads, -1))
+
+
+def _documents_in_chunks(documents, heads, chunk):
+    """Per row of chunks `(batch * heads * chunks, ...)`: which keys each
+    query reads `(chunk, chunk)`, which queries read the entering state,
+    which keys reach the chunk's end; and log-gates `(batch, heads,
+    chunks)` that stop the state at a chunk where a document starts."""
+    batch = ops.shape(documents)[0]
+    last = documents[:, -1:]
+    # The padding continues the last document.
+    padding = _padding(ops.shape(documents)[1], chunk)
+    documents = _append_zeros(documents - last, padding) + last
+    documents = ops.reshape(documents, (batch, 1, -1, chunk))
+    documents = documents + ops.zeros((1, heads, 1, 1), documents.dtype)
+    ends = documents[..., -1:]
+    # The step before each chunk; before the first, the carried state's.
+    before = ops.concatenate(
+        [ops.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], axis=2
+    )
+    new = ops.where(before[..., 0] != ends[..., 0], _RESET, 0.0)
+    documents = ops.reshape(documents, (-1, chunk))
+    same = ops.expand_dims(documents, -1) == ops.expand_dims(documents, 1)
+    dtype = documents.dtype
+    return (
+        ops.cast(same, dtype),
+        ops.cast(documents == ops.reshape(before, (-1, 1)), dtype),
+        ops.cast(documents == ops.reshape(ends, (-1, 1)), dtype),
+        ops.cast(new, dtype),
+    )
+
+
+def _non_causal_documents(
+    query, key, value, readout, use_normalizer, documents, chunk
+):
+    """Non-causal attention inside documents: a causal pass forward and one
+    backward, less each step's own term, which both count."""
+    batch, heads = ops.shape(key)[0], key.shape[2]
+    shapes = [(batch, heads, key.shape[3], value.shape[3])]
+    if use_normalizer:
+        shapes.append((batch, heads, key.shape[3]))
+    state = tuple(ops.zeros(shape, key.dtype) for shape in shapes)
+    forward, _ = chunkwise(
+        query, key, value, state, None, None, chunk, documents
+    )
+    flipped = [ops.flip(x, axis=1) for x in (query, key, value, documents)]
+    backward, _ = chunkwise(*flipped[:3], state, None, None, chunk, flipped[3])
+    own = ops.einsum("btkgd,btkd->btkg", _split_heads(query, heads), key)
+    own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
+    numerator = forward[0] + ops.flip(backward[0], axis=1)
+    numerator = numerator - ops.expand_dims(own, -1) * ops.repeat(
+        value, query.shape[2] // heads, axis=2
+    )
+    denominator = None
+    if use_normalizer:
+        denominator = forward[1] + ops.flip(backward[1], axis=1) - own
+    return readout(numerator, denominator)
 
 
 def prefix_over_chunks(initial, summaries, chunk_gates=None):
@@ -289,7 +449,10 @@ def _within_blocks(blocks, gates):
     totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
     if gates is None:
         return within, totals, None
-    return within, totals, ops.exp(_cumsum(gates, -1) - gates)
+    # The gates before each chunk, as a sum (a new document's is no
+    # difference of sums).
+    earlier = _prepend_zeros(gates, 1)[:, :-1]
+    return within, totals, ops.exp(_cumsum(earlier, -1))
 
 
 def decay_matrix(log_gates):
@@ -329,49 +492,79 @@ def local_window(
     causal_mode=True,
     recurrent_mode=False,
     chunk=64,
+    documents=None,
+    lengths=None,
 ):
     """Softmax over the closest `window` steps, the plain algorithm on
     the keys `window` steps back (non-causal: also on the reversed
     sequence), under one normalizer; returns the outputs and the state
-    (far state, then the last `window` keys, values and valids).
+    (far state, then the last `window` keys, values and valids of the
+    first `lengths` steps, all by default).
 
     `query`: divided by `sqrt(key_dim)`; `far_bias`: the far part's
     log-weight per query. `keys`, `values` `(batch, kv_heads, window +
     time, ...)`, `valids` and `log_gates`: the `window` steps before the
-    inputs, then the inputs. `key_features(keys, positions)`: the
-    features of keys at the given positions.
+    inputs, then the inputs, as `documents`. `key_features(keys,
+    positions)`: the features of keys at the given positions.
     """
     # Positions of the steps, as a sum rather than a range of a traced
     # length (which jax2onnx cannot convert).
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1 - window
     gates = None if log_gates is None else log_gates[:, window:]
+    inputs = None if documents is None else documents[:, window:]
     far_keys, far_values = _delayed(
         keys, values, valids, log_gates, key_features, positions, window
     )
+    if documents is not None:
+        same = documents[:, :-window] == inputs
+        far_keys = far_keys * _expand_like(same, far_keys)
     if recurrent_mode:
         step_inputs = (query, query_features, far_bias, far_keys, far_values)
+        if inputs is not None:
+            gates = _resets(inputs, gates, keys.shape[1])
         return _local_window_recurrent(
             step_inputs, keys, values, valids, gates, far_state, readout, window
         )
     span = window if causal_mode else 2 * window - 1
     numerator, denominator, maximum = _window_chunkwise(
-        query, keys, values, valids, window, span, chunk
+        query, keys, values, valids, window, span, chunk, documents
     )
     query_features = query_features * ops.expand_dims(
         ops.exp(far_bias - maximum), -1
     )
     far, far_state = chunkwise(
-        query_features, far_keys, far_values, far_state, gates, None, chunk
+        query_features,
+        far_keys,
+        far_values,
+        far_state,
+        gates,
+        None,
+        chunk,
+        inputs,
     )
     if not causal_mode:
         after = _far_after(
-            query_features, keys, values, valids, key_features, window, chunk
+            query_features,
+            keys,
+            values,
+            valids,
+            key_features,
+            window,
+            chunk,
+            documents,
         )
         far = (far[0] + after[0], far[1] + after[1])
     outputs = readout(numerator + far[0], denominator + far[1])
-    return outputs, tuple(far_state) + _split_window(
-        keys, values, valids, window
-    )[1]
+    end = ops.shape(valids)[1] if lengths is None else lengths + window
+    end = ops.zeros_like(valids[:, 0], "int32") + end
+    window_state = [
+        ops.swapaxes(steps_before(ops.swapaxes(x, 1, 2), end, window), 1, 2)
+        for x in (keys, values)
+    ] + [steps_before(valids, end, window)]
+    if documents is not None:
+        last = steps_before(documents, end, window)
+        window_state[2] *= ops.cast(last == last[:, -1:], valids.dtype)
+    return outputs, tuple(far_state) + tuple(window_state)
 
 
 def _local_window_recurrent(
@@ -383,21 +576,21 @@ def _local_window_recurrent(
     step_inputs += tuple(_heads_first(x[:, :, window:]) for x in (keys, values))
     step_inputs += (valids[:, window:], far_keys, far_values)
     step_inputs += () if gates is None else (gates,)
-    state = tuple(far_state) + _split_window(keys, values, valids, window)[0]
+    state = tuple(far_state)
+    state += (keys[:, :, :window], values[:, :, :window], valids[:, :window])
     step = functools.partial(_local_window_step, readout=readout)
     return recurrent(step, state, step_inputs)
 
 
-def _split_window(keys, values, valids, window):
-    """The first `window` steps of keys, values and valids (the carried
-    window) and the last `window` (the window to carry on)."""
-    first = (keys[:, :, :window], values[:, :, :window], valids[:, :window])
-    last = (keys[:, :, -window:], values[:, :, -window:], valids[:, -window:])
-    return first, last
-
-
 def _far_after(
-    query_features, keys, values, valids, key_features, window, chunk
+    query_features,
+    keys,
+    values,
+    valids,
+    key_features,
+    window,
+    chunk,
+    documents=None,
 ):
     """The far part of non-causal queries: the keys at least `window`
     steps after each query, as the causal far part of the reversed
@@ -423,6 +616,11 @@ def _far_after(
         ops.flip(positions, 0) + window,
         window,
     )
+    if documents is not None:
+        documents = reverse(documents, 1)
+        same = documents[:, :-window] == documents[:, window:]
+        far_keys = far_keys * _expand_like(same, far_keys)
+        documents = documents[:, window:]
     heads, features = far_keys.shape[2], far_keys.shape[3]
     batch = ops.shape(far_keys)[0]
     state = (
@@ -439,6 +637,7 @@ def _far_after(
         None,
         None,
         chunk,
+        documents,
     )
     return ops.flip(numerator, axis=1), ops.flip(denominator, axis=1)
 
@@ -450,7 +649,8 @@ def _delayed(keys, values, valids, log_gates, key_features, positions, window):
     length = ops.shape(valids)[1] - window
     keys, values = (_heads_first(x[:, :, :length]) for x in (keys, values))
     features = key_features(keys, positions)
-    weights = ops.expand_dims(valids[:, :length], (2, 3))
+    # A key leaves the window only at an unmasked step.
+    weights = ops.expand_dims(valids[:, :length] * valids[:, window:], (2, 3))
     if log_gates is not None:
         later = _window_sums(log_gates, window)[:, :length]
         weights = weights * ops.expand_dims(ops.exp(later), -1)
@@ -473,16 +673,26 @@ def _local_window_step(state, inputs, readout):
     """One step of `local_window`, with the window as a ring buffer."""
     far_state, window_state = state[:-3], state[-3:]
     query, query_features, far_bias, key, value, valid = inputs[:6]
+    if len(inputs) > 8:
+        # A new document (a zero gate) empties the window.
+        new = inputs[8][:, :1] < _RESET / 2
+        valids = window_state[2]
+        window_state = window_state[:2] + (
+            ops.where(new, ops.zeros_like(valids), valids),
+        )
 
     def push(window, x):
-        """Drops the oldest step of `window` and appends `x`."""
+        """Drops the oldest step of `window` and appends `x`, if valid."""
         if len(window.shape) == 2:
-            return ops.concatenate(
+            pushed = ops.concatenate(
                 [window[:, 1:], ops.expand_dims(x, 1)], axis=1
             )
-        return ops.concatenate(
-            [window[:, :, 1:], ops.expand_dims(x, 2)], axis=2
-        )
+        else:
+            pushed = ops.concatenate(
+                [window[:, :, 1:], ops.expand_dims(x, 2)], axis=2
+            )
+        keep = ops.reshape(valid > 0, (-1,) + (1,) * (len(window.shape) - 1))
+        return ops.where(keep, pushed, window)
 
     keys, values, valids = (
         push(w, x) for w, x in zip(window_state, (key, value, valid))
@@ -505,7 +715,9 @@ def _local_window_step(state, inputs, readout):
     return far_state + (keys, values, valids), _merge_heads(outputs)
 
 
-def _window_chunkwise(query, keys, values, valids, window, span, chunk):
+def _window_chunkwise(
+    query, keys, values, valids, window, span, chunk, documents=None
+):
     """The window part of `local_window`, chunk by chunk.
 
     Step `t` of `query` attends to steps `t + 1` to `t + span` of `keys`
@@ -550,6 +762,12 @@ def _window_chunkwise(query, keys, values, valids, window, span, chunk):
     allowed = ops.logical_and(
         band, ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
     )
+    if documents is not None:
+        # Each query's own document, against its blocks' keys'.
+        inputs = _append_zeros(documents[:, window:], _padding(length, chunk))
+        inputs = ops.reshape(inputs, (batch, 1, -1, 1, chunk, 1))
+        keys_documents = ops.expand_dims(to_blocks(documents), (1, 3, 4))
+        allowed = ops.logical_and(allowed, keys_documents == inputs)
     weights, maximum = window_softmax(scores, allowed)
     weights = ops.reshape(weights, (-1, group * chunk, blocks * chunk))
     numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
@@ -641,6 +859,13 @@ def _append_zeros(x, count):
     shape = ops.shape(x)
     zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
     return ops.concatenate([x, zeros], axis=1)
+
+
+def _prepend_zeros(x, count):
+    """`x` with `count` (an `int`) zero entries before it along axis 1."""
+    shape = ops.shape(x)
+    zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
+    return ops.concatenate([zeros, x], axis=1) if count else x
 
 
 def _cumsum(x, axis):
