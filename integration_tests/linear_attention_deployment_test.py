@@ -3,7 +3,8 @@
 Every format that `model.export()` offers on the backend, for every kind of
 layer (causal or not, each `execution_mode`, each feature map, grouped
 heads, `local_window`, `decay`, `conv_kernel_size`, masks from
-`Embedding(mask_zero=True)`):
+`Embedding(mask_zero=True)`, packed documents with `segment_ids` as a
+second input):
 the artifact runs in its own runtime (onnxruntime, OpenVINO, LiteRT's
 interpreter with builtin ops only, `torch.export.load`) at several batch
 sizes and lengths and must give the Keras model's outputs. The decode
@@ -82,6 +83,15 @@ CONFIGS = {
         "masked": True,
     },
     "masked_non_causal_conv": {"masked": True, "conv_kernel_size": 4},
+    # `packed`: `segment_ids` as a second input.
+    "packed_local_window_decay_conv": {
+        "causal": True,
+        "local_window": 5,
+        "decay": 0.9,
+        "conv_kernel_size": 3,
+        "packed": True,
+    },
+    "packed_non_causal": {"packed": True},
 }
 DECODE_CONFIGS = ("causal", "masked_local_window_decay_learned_conv")
 
@@ -117,6 +127,7 @@ def _upstream_failure(format, kwargs):
 def _model(config):
     kwargs = dict(CONFIGS[config])
     masked = kwargs.pop("masked", False)
+    packed = kwargs.pop("packed", False)
     if masked:
         inputs = keras.Input((None,), dtype="int32")
         x = keras.layers.Embedding(VOCABULARY_SIZE, INPUT_DIM, mask_zero=True)(
@@ -128,14 +139,24 @@ def _model(config):
         num_heads=4, key_dim=8, seed=0, **kwargs
     )
     head = keras.layers.Dense(INPUT_DIM)
-    model = keras.Model(inputs, head(attention(x)))
+    call_kwargs = {}
+    if packed:
+        call_kwargs["segment_ids"] = keras.Input((None,), dtype="int32")
+        inputs = [inputs, call_kwargs["segment_ids"]]
+    model = keras.Model(inputs, head(attention(x, **call_kwargs)))
     # `model.export()` takes only models that have been called.
-    model(_inputs(masked, 1, 3))
+    model(_inputs(masked, 1, 3, packed=packed))
     return model, attention, head, masked
 
 
-def _inputs(masked, batch_size, length, seed=0):
+def _inputs(masked, batch_size, length, seed=0, packed=False):
     rng = np.random.default_rng(seed + 100 * batch_size + length)
+    if packed:
+        # Documents of random lengths, from a document start every ten
+        # steps on average; ids that count them.
+        starts = rng.random((batch_size, length)) < 0.1
+        ids = np.cumsum(starts, axis=1).astype("int32")
+        return [_inputs(masked, batch_size, length, seed), ids]
     if not masked:
         return rng.normal(size=(batch_size, length, INPUT_DIM)).astype(
             "float32"
@@ -152,6 +173,11 @@ def _export(model, format, path, **kwargs):
         import torch
 
         dynamic = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
+        if len(model.inputs) > 1:
+            # Inputs of one batch size and length, which `Dim.DYNAMIC`
+            # refuses to relate.
+            auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+            dynamic = [([auto] * len(model.inputs),)]
         kwargs["dynamic_shapes"] = dynamic
     with warnings.catch_warnings():
         if backend.backend() == "torch":
@@ -161,6 +187,10 @@ def _export(model, format, path, **kwargs):
             # warnings of PyTorch's trace, but its filters end before it.
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
         model.export(path, format=format, verbose=False, **kwargs)
+
+
+def _listed(x):
+    return x if isinstance(x, list) else [x]
 
 
 def _natural_key(name):
@@ -207,12 +237,14 @@ def _load(format, path):
     import torch
 
     module = torch.export.load(path).module()
-    return lambda inputs: [
-        x.detach().numpy()
-        for x in keras.tree.flatten(
-            module(*(torch.from_numpy(x) for x in inputs))
-        )
-    ]
+
+    def run(inputs):
+        # A model of several inputs takes them as one list.
+        inputs = [torch.from_numpy(x) for x in inputs]
+        outputs = module(*inputs) if len(inputs) == 1 else module(inputs)
+        return [x.detach().numpy() for x in keras.tree.flatten(outputs)]
+
+    return run
 
 
 class DecodeStep(keras.Model):
@@ -254,7 +286,7 @@ class LinearAttentionDeploymentTest(testing.TestCase):
         expected = keras.ops.convert_to_numpy(model(x))
         with self.assertRaises(Exception):
             _export(model, format, path)
-            outputs = _load(format, path)([x])[0]
+            outputs = _load(format, path)(_listed(x))[0]
             np.testing.assert_allclose(outputs, expected, rtol=EXPORT_RTOL)
         pytest.xfail(reason)
 
@@ -278,18 +310,19 @@ class LinearAttentionDeploymentTest(testing.TestCase):
     def test_export_matches_keras(self, config, format):
         self._skip_unless_offered(format)
         model, _, _, masked = _model(config)
+        packed = CONFIGS[config].get("packed", False)
         reason = _upstream_failure(format, CONFIGS[config])
         if reason:
-            x = _inputs(masked, 3, 7)
+            x = _inputs(masked, 3, 7, packed=packed)
             self._expect_upstream_failure(model, format, reason, x)
         path = os.path.join(self.get_temp_dir(), FILE_NAMES[format])
         _export(model, format, path)
         run = _load(format, path)
         for batch_size in BATCH_SIZES:
             for length in LENGTHS:
-                x = _inputs(masked, batch_size, length)
+                x = _inputs(masked, batch_size, length, packed=packed)
                 expected = keras.ops.convert_to_numpy(model(x))
-                outputs = run([x])[0]
+                outputs = run(_listed(x))[0]
                 self.assertEqual(outputs.shape, expected.shape)
                 self.assertLessEqual(
                     np.max(np.abs(outputs - expected)),

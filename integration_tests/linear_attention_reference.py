@@ -283,14 +283,18 @@ def np_hybrid_reference(layer, x, mask=None, initial_state=None):
     From the formulas with explicit (query, key) masks for the window and
     the far part, independent of the layer's chunks and steps. A causal
     layer's keys are its carried window (zeros and invalid by default)
-    followed by the inputs.
+    followed by the inputs. A masked step is not there: each row is the
+    row without its masked steps.
     """
+    if mask is not None:
+        return _without_masked(
+            np_hybrid_reference, layer, x, mask, initial_state
+        )
     w = np_weights(layer)
     x = np.asarray(x, "float64")
     batch, length = x.shape[:2]
     window = layer.local_window
-    valid = np.ones((batch, length), bool) if mask is None else mask
-    valid = np.broadcast_to(np.asarray(valid, bool), (batch, length))
+    valid = np.ones((batch, length), bool)
     query = np_project(layer, w, x, "query")
     key = np_project(layer, w, x, "key")
     value = np_project(layer, w, x, "value")
@@ -410,6 +414,30 @@ def np_hybrid_reference(layer, x, mask=None, initial_state=None):
         valid[:, -window:].astype("float64"),
     )
     return outputs, state
+
+
+def _without_masked(reference, layer, x, mask, initial_state):
+    """`reference` row by row on the unmasked steps, zeros at the masked
+    ones; the final state of each row (its carried one if none is left)."""
+    x = np.asarray(x, "float64")
+    mask = np.broadcast_to(np.asarray(mask, bool), x.shape[:2])
+    if initial_state is None and layer.causal:
+        initial_state = layer.get_initial_state(len(x))
+    kernel = np_weights(layer)["attention_output/kernel"]
+    outputs = np.zeros(x.shape[:2] + kernel.shape[2:])
+    states = []
+    for row, kept in enumerate(mask):
+        state = initial_state and tuple(
+            np.asarray(backend.convert_to_numpy(s), "float64")[row : row + 1]
+            for s in initial_state
+        )
+        if kept.any():
+            y, state = reference(layer, x[row : row + 1, kept], None, state)
+            outputs[row, kept] = y[0]
+        states.append(state)
+    if not layer.causal:
+        return outputs, None
+    return outputs, tuple(map(np.concatenate, zip(*states)))
 
 
 def hybrid_mask(batch=BATCH, length=LENGTH):

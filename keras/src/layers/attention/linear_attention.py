@@ -86,9 +86,9 @@ class LinearAttention(Layer):
             `"hedgehog"` and `"random_fourier"` (even, default
             `2 * key_dim`).
         local_window: Optional positive integer `W`: exact softmax over the
-            positions closer than `W` (causal: the last `W`), the feature
-            map beyond, weighted by a trainable `far_log_scale` per head,
-            which starts on the window's scale for the feature map.
+            unmasked steps closer than `W` (causal: the last `W`), the
+            feature map beyond, weighted by a trainable `far_log_scale` per
+            head, which starts on the window's scale for the feature map.
         decay: Causal layers only: the state's forgetting factor per step,
             a float in (0, 1], a list of one per key/value head, `"retnet"`
             (`1 - 2^(-5 - h)` for head `h`) or `"learned"`.
@@ -103,11 +103,16 @@ class LinearAttention(Layer):
         inputs: Tensor of shape `(batch_size, sequence_length, input_dim)`.
         mask: Optional boolean tensor of shape
             `(batch_size, sequence_length)`, `True` for valid steps. Masked
-            steps are not attended to and their outputs are zero.
+            steps are not there for the state, window or convolution, and
+            their outputs are zero.
         initial_state: Causal layers only: the state from
             `get_initial_state()` or from a call with `return_state=True`.
         return_state: Causal layers only: whether to also return the state.
         training: Python boolean, whether to apply dropout.
+        segment_ids: Optional integer tensor of shape `(batch_size,
+            sequence_length)` for rows packed with several documents: a
+            step attends only to steps of the same id, as if each
+            document were alone. Not for `"cosformer"`.
 
     Returns:
         outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`.
@@ -117,7 +122,8 @@ class LinearAttention(Layer):
             (`(key_value_state,)` without the normalizer); then, with
             `conv_kernel_size`, the last `K - 1` projected queries, keys
             and values; then, with `local_window`, the last `W` projected
-            keys, values and valid flags.
+            keys, values and valid flags; then, with `segment_ids`, the
+            id of the last step, so that the next call can continue it.
 
     Examples:
 
@@ -506,7 +512,7 @@ class LinearAttention(Layer):
         if mask is None:
             mask = backend.get_keras_mask(inputs)
         mask = _standardize_mask(mask, inputs)
-        back = lengths = None
+        back = lengths = order = None
         if mask is not None:
             # Padding's inf or nan would reach the weights through gradients.
             inputs = _masked(inputs, mask)
@@ -529,6 +535,10 @@ class LinearAttention(Layer):
             state = tuple(ops.cast(s, dtype) for s in state)
         documents = None
         if segment_ids is not None:
+            # Of the inputs' batch size and length: `torch.export` does not
+            # otherwise relate the two inputs' sizes.
+            inputs_zeros = ops.zeros_like(inputs[..., 0], segment_ids.dtype)
+            segment_ids = segment_ids + inputs_zeros
             documents, carried_id = _documents(
                 segment_ids, mask, lengths, carried_id, dtype
             )
@@ -538,6 +548,8 @@ class LinearAttention(Layer):
         # The values masked, so that no product can bring masked steps back.
         value = _masked(value, mask)
         valid = None if mask is None else ops.cast(mask, dtype)
+        # Maps that weigh by position (they do not stream) keep the call's.
+        positions = None if self._feature_map.streams else order
         if 0 in inputs.shape[:2]:
             # An empty piece of a stream passes the state through; an empty
             # batch has no chunks to count.
@@ -545,11 +557,11 @@ class LinearAttention(Layer):
             outputs = ops.zeros(shape + (self.num_heads, self.value_dim), dtype)
         elif self.local_window is not None:
             outputs, state = self._local_window(
-                query, key, value, valid, state, documents, lengths
+                query, key, value, valid, state, documents, lengths, positions
             )
         else:
             outputs, state = self._linear(
-                query, key, value, valid, state, documents
+                query, key, value, valid, state, documents, positions
             )
         if conv_state:
             # Back into the order of `_state_shapes`, by name.
@@ -610,13 +622,19 @@ class LinearAttention(Layer):
             clamp=not self._feature_map.non_negative,
         )
 
-    def _linear(self, query, key, value, valid, state, documents=None):
+    def _features(self, x, positions=None, stabilize=False):
+        """The feature map, at `positions` in the call (`(batch, time)`
+        where the unmasked steps were put first) or at its steps."""
+        length = None if positions is None else ops.shape(x)[1]
+        return self._feature_map.features(x, positions, length, stabilize)
+
+    def _linear(
+        self, query, key, value, valid, state, documents=None, order=None
+    ):
         """The plain layer: feature maps, then linear attention."""
-        query = self._feature_map.features(
-            query, stabilize=self.use_normalizer
-        )[0]
+        query = self._features(query, order, self.use_normalizer)[0]
         # Masked after the feature map, which is not zero at zero.
-        key = _masked(self._feature_map.features(key)[0], valid)
+        key = _masked(self._features(key, order)[0], valid)
         if not self.causal:
             outputs = core.non_causal(
                 query,
@@ -641,15 +659,30 @@ class LinearAttention(Layer):
         )
 
     def _local_window(
-        self, query, key, value, valid, state, documents=None, lengths=None
+        self,
+        query,
+        key,
+        value,
+        valid,
+        state,
+        documents=None,
+        lengths=None,
+        order=None,
     ):
         """Softmax over the last `local_window` steps, linear beyond."""
         batch, length = ops.shape(query)[:2]
         if valid is None:
             valid = ops.ones((batch, length), query.dtype)
-        query_features, log_scale = self._feature_map.features(
-            query, stabilize=True
-        )
+        query_features, log_scale = self._features(query, order, True)
+
+        def key_features(keys, positions):
+            if order is not None:
+                # Positions of unmasked steps in the call; the others'
+                # (outside the inputs) are never read.
+                inside = ops.clip(ops.cast(positions, "int32"), 0, length - 1)
+                positions = ops.take(order, inside, axis=1)
+            return self._feature_map.features(keys, positions, length)[0]
+
         # The far part's log-weight per query: its own, and the factor
         # taken out of the query features, which the window does not share.
         far_bias = ops.cast(self.far_log_scale, query.dtype) + (
@@ -672,9 +705,7 @@ class LinearAttention(Layer):
             keys,
             values,
             valids,
-            lambda keys, positions: self._feature_map.features(
-                keys, positions, length
-            )[0],
+            key_features,
             state[:2],
             self._readout,
             self.local_window,
@@ -764,9 +795,21 @@ class LinearAttention(Layer):
             )
         carried_id = None
         if initial_state is not None:
-            if len(initial_state) == len(self._state_shapes()) + 1:
-                carried_id = initial_state[-1]
-                initial_state = tuple(initial_state[:-1])
+            shapes = self._state_shapes()
+            if (
+                isinstance(initial_state, (list, tuple))
+                and len(initial_state) == len(shapes) + 1
+                and len(getattr(initial_state[-1], "shape", ())) == 1
+            ):
+                last = initial_state[-1]
+                dtype = backend.standardize_dtype(last.dtype)
+                if not backend.is_int_dtype(dtype):
+                    raise ValueError(
+                        "The last element of `initial_state`, a packed call's "
+                        "last document id, must be an integer tensor of "
+                        f"shape (batch_size,). Received: dtype={dtype}"
+                    )
+                carried_id, initial_state = last, tuple(initial_state[:-1])
             self._check_state(initial_state, inputs.shape[0])
         return carried_id, initial_state
 
@@ -781,8 +824,9 @@ class LinearAttention(Layer):
                 received += f" of {len(state)} element(s)"
             raise ValueError(
                 f"`initial_state` must be a tuple of {len(shapes)} "
-                f"tensor(s): {expected}, as returned by "
-                "`get_initial_state()` or by a call with `return_state=True`."
+                f"tensor(s): {expected} (and a packed call's last "
+                "document id), as returned by `get_initial_state()` or by a "
+                "call with `return_state=True`."
                 f" Received: initial_state of type {received}"
             )
         for (name, shape), tensor in zip(shapes.items(), state):

@@ -85,11 +85,15 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
         # Slices that end relative to the end: no length enters the graph.
         return x[:, j : j - width + 1 or None]
 
+    def last(y):
+        # The last `width - 1` steps: slices where every step counts.
+        if lengths is None:
+            return y[:, 1 - width :]
+        return steps_before(y, lengths + before, width - 1)
+
     if documents is None:
         outputs = sum(kernel[j] * tap(padded, j) for j in range(width))
-        if lengths is None:
-            return outputs, padded[:, 1 - width :]
-        return outputs, steps_before(padded, lengths + before, width - 1)
+        return outputs, last(padded)
     # The padding is document 0: the carried steps' (and zeros' otherwise).
     documents = _prepend_zeros(documents, before)
     documents = _append_zeros(documents, width - 1 - before)
@@ -99,14 +103,9 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
         * _expand_like(tap(documents, j) == tap(documents, before), x)
         for j in range(width)
     )
-    end = ops.shape(padded)[1] if lengths is None else lengths + before
-    if lengths is None:
-        end = ops.zeros_like(documents[:, 0], "int32") + end
-    last, last_documents = (
-        steps_before(y, end, width - 1) for y in (padded, documents)
-    )
-    same = last_documents == last_documents[:, -1:]
-    return outputs, last * _expand_like(same, last)
+    steps, steps_documents = last(padded), last(documents)
+    same = steps_documents == steps_documents[:, -1:]
+    return outputs, steps * _expand_like(same, steps)
 
 
 def unmasked_first(mask):
@@ -115,7 +114,10 @@ def unmasked_first(mask):
     valid = ops.cast(mask, "int32")
     before = _cumsum(valid, 1)
     steps = _cumsum(ops.ones_like(valid), 1) - 1
-    order = ops.argsort(ops.where(mask, steps, steps + ops.shape(mask)[1]))
+    length = ops.shape(mask)[1]
+    # The smallest keys first; not `argsort`, whose stable sort PyTorch's
+    # ONNX export refuses (the keys are distinct).
+    order = ops.top_k(-ops.where(mask, steps, steps + length), length)[1]
     masked_before = steps + 1 - before + ops.sum(valid, 1, keepdims=True)
     return ops.cast(order, "int32"), ops.where(mask, before, masked_before) - 1
 
@@ -124,9 +126,11 @@ def take_steps(x, index):
     """The steps `index` `(batch, n)` of each row of `x` `(batch, time,
     ...)`."""
     shape, count = ops.shape(x), ops.shape(index)[1]
-    flat = ops.reshape(x, (shape[0], shape[1], -1))
-    index = ops.expand_dims(index, -1) + ops.zeros_like(flat[:, :1], "int32")
-    taken = ops.take_along_axis(flat, index, axis=1)
+    # One gather over all rows: `take_along_axis` fixes the batch size and
+    # length of `torch.export`ed graphs.
+    rows = _cumsum(ops.ones_like(index[:, :1]), 0) - 1
+    flat = ops.reshape(x, (-1, math.prod(x.shape[2:])))
+    taken = ops.take(flat, index + rows * shape[1], axis=0)
     return ops.reshape(taken, (shape[0], count) + tuple(shape[2:]))
 
 
@@ -143,11 +147,16 @@ def _expand_like(condition, x):
     return ops.expand_dims(condition, tuple(range(2, len(x.shape))))
 
 
+def _starts(documents):
+    """1 where a document starts (the carried state is document 0), else
+    0."""
+    previous = _prepend_zeros(documents, 1)[:, :-1]
+    return ops.cast(documents != previous, documents.dtype)
+
+
 def _resets(documents, log_gates, heads):
     """`log_gates` (or none) with a zero gate where a new document starts."""
-    previous = _prepend_zeros(documents, 1)[:, :-1]
-    resets = ops.where(documents != previous, _RESET, 0.0)
-    resets = ops.cast(ops.expand_dims(resets, -1), documents.dtype)
+    resets = ops.expand_dims(_starts(documents) * _RESET, -1)
     resets = resets + ops.zeros((1, 1, heads), documents.dtype)
     return resets if log_gates is None else resets + log_gates
 
@@ -315,27 +324,17 @@ def _documents_in_chunks(documents, heads, chunk):
     query reads `(chunk, chunk)`, which queries read the entering state,
     which keys reach the chunk's end; and log-gates `(batch, heads,
     chunks)` that stop the state at a chunk where a document starts."""
-    batch = ops.shape(documents)[0]
-    last = documents[:, -1:]
-    # The padding continues the last document.
-    padding = _padding(ops.shape(documents)[1], chunk)
-    documents = _append_zeros(documents - last, padding) + last
-    documents = ops.reshape(documents, (batch, 1, -1, chunk))
-    documents = documents + ops.zeros((1, heads, 1, 1), documents.dtype)
-    ends = documents[..., -1:]
-    # The step before each chunk; before the first, the carried state's.
-    before = ops.concatenate(
-        [ops.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], axis=2
-    )
-    new = ops.where(before[..., 0] != ends[..., 0], _RESET, 0.0)
-    documents = ops.reshape(documents, (-1, chunk))
-    same = ops.expand_dims(documents, -1) == ops.expand_dims(documents, 1)
-    dtype = documents.dtype
-    return (
-        ops.cast(same, dtype),
-        ops.cast(documents == ops.reshape(before, (-1, 1)), dtype),
-        ops.cast(documents == ops.reshape(ends, (-1, 1)), dtype),
-        ops.cast(new, dtype),
+    # The documents started so far in each chunk; the padding starts none.
+    starts = _starts(documents)
+    starts = _append_zeros(starts, _padding(ops.shape(starts)[1], chunk))
+    starts = ops.reshape(starts, (ops.shape(starts)[0], 1, -1, chunk))
+    counts = _cumsum(starts + ops.zeros((1, heads, 1, 1), starts.dtype), -1)
+    new = ops.where(counts[..., -1] > 0, _RESET, 0.0)
+    counts = ops.reshape(counts, (-1, chunk))
+    same = ops.expand_dims(counts, -1) == ops.expand_dims(counts, 1)
+    return tuple(
+        ops.cast(x, starts.dtype)
+        for x in (same, counts == 0, counts == counts[:, -1:], new)
     )
 
 
@@ -354,7 +353,8 @@ def _non_causal_documents(
     )
     flipped = [ops.flip(x, axis=1) for x in (query, key, value, documents)]
     backward, _ = chunkwise(*flipped[:3], state, None, None, chunk, flipped[3])
-    own = ops.einsum("btkgd,btkd->btkg", _split_heads(query, heads), key)
+    # A product and a sum: LiteRT has no builtin op for this einsum.
+    own = ops.sum(_split_heads(query, heads) * ops.expand_dims(key, 3), -1)
     own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
     numerator = forward[0] + ops.flip(backward[0], axis=1)
     numerator = numerator - ops.expand_dims(own, -1) * ops.repeat(
@@ -555,16 +555,21 @@ def local_window(
         )
         far = (far[0] + after[0], far[1] + after[1])
     outputs = readout(numerator + far[0], denominator + far[1])
-    end = ops.shape(valids)[1] if lengths is None else lengths + window
-    end = ops.zeros_like(valids[:, 0], "int32") + end
-    window_state = [
-        ops.swapaxes(steps_before(ops.swapaxes(x, 1, 2), end, window), 1, 2)
-        for x in (keys, values)
-    ] + [steps_before(valids, end, window)]
+
+    def last(x):
+        # The last `window` steps: slices where every step counts.
+        if lengths is None:
+            return x[:, -window:]
+        return steps_before(x, lengths + window, window)
+
+    keys, values = (
+        ops.swapaxes(last(ops.swapaxes(x, 1, 2)), 1, 2) for x in (keys, values)
+    )
+    valids = last(valids)
     if documents is not None:
-        last = steps_before(documents, end, window)
-        window_state[2] *= ops.cast(last == last[:, -1:], valids.dtype)
-    return outputs, tuple(far_state) + tuple(window_state)
+        documents = last(documents)
+        valids = valids * ops.cast(documents == documents[:, -1:], valids.dtype)
+    return outputs, tuple(far_state) + (keys, values, valids)
 
 
 def _local_window_recurrent(

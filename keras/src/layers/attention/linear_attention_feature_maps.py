@@ -176,7 +176,9 @@ class CosFormer(ReLU):
             # Integers, cast: TensorFlow has no float16 range.
             positions = ops.arange(length)
         scale = 0.5 * math.pi / ops.cast(length, x.dtype)
-        angle = ops.expand_dims(ops.cast(positions, x.dtype) * scale, (1, 2))
+        angle = ops.cast(positions, x.dtype) * scale
+        # Positions `(time,)` or, per row, `(batch, time)`.
+        angle = ops.expand_dims(angle, (-1, -2))
         features = super().features(x)[0]
         sin, cos = _sin_cos(angle)
         return ops.concatenate([features * cos, features * sin], -1), None

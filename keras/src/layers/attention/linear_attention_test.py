@@ -57,6 +57,8 @@ CONFIGS = {
     },
     "taylor": {"feature_map": "taylor"},
     "cosformer": {"feature_map": "cosformer"},
+    # Its weights keep the positions in the call, masked steps included.
+    "cosformer_conv": {"feature_map": "cosformer", "conv_kernel_size": 3},
     "grouped_conv": {
         "num_heads": 4,
         "num_key_value_heads": 2,
@@ -116,6 +118,23 @@ def _mask(batch=BATCH, length=LENGTH):
     mask[0, :7] = False
     mask[1, 20:26] = mask[1, length - 20] = False
     return mask
+
+
+def _segment_ids(batch=BATCH, length=LENGTH):
+    """Three documents in the first row, two (of falling ids) in the
+    second, whose second starts at a step that `_mask` masks."""
+    ids = np.zeros((batch, length), "int32")
+    ids[0, 30:], ids[0, 55:] = 1, 2
+    ids[1, :50], ids[1, 50:] = 5, 3
+    return ids
+
+
+def _documents(segment_ids, mask):
+    """(row, unmasked steps) of each document of each row, in order."""
+    for row, (ids, valid) in enumerate(zip(segment_ids, mask)):
+        starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 1))
+        for steps in np.split(np.arange(len(ids)), starts[1:]):
+            yield row, steps[valid[steps]]
 
 
 def _layer(config=None, build=True, **kwargs):
@@ -195,13 +214,13 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
         y = np.einsum("btm,mhd->bthd", x, w[f"{name}/kernel"])
         y = y + w[f"{name}/bias"] if layer.use_bias else y
         if layer.conv_kernel_size:
-            # Masked steps enter the convolution as zeros.
             state = "conv_queries" if name == "query" else f"conv_{name}s"
             y, convolved[state] = _np_convolve(
-                y * valid,
+                y,
                 w[f"{name}_conv_kernel"],
                 given.get(state),
                 layer.causal,
+                valid[..., 0, 0],
             )
         return y
 
@@ -264,20 +283,24 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
     return outputs, state + tuple(convolved[n] for n in names if n in convolved)
 
 
-def _np_convolve(x, kernel, previous, causal):
-    """`y_t = sum_j kernel_j x_(t + j - offset)`, causal (`previous` before
-    `x`) or centred, zeros beyond; and the last `width - 1` steps."""
-    width, length = len(kernel), x.shape[1]
+def _np_convolve(x, kernel, previous, causal, valid):
+    """`y_t = sum_j kernel_j x_(t + j - offset)` over each row's unmasked
+    steps (masked ones are not there), causal (`previous` before them) or
+    centred, zeros beyond; and the last `width - 1` unmasked steps."""
+    width = len(kernel)
     offset = width - 1 if causal else (width - 1) // 2
-    zeros = np.zeros((x.shape[0], width - 1) + x.shape[2:])
-    before = zeros if previous is None else _np(previous)
-    # Step `t` of `x` at `t + width - 1`.
-    steps = np.concatenate([before, x, zeros], axis=1)
-    y = np.zeros_like(x)
-    for t in range(length):
-        for j in range(width):
-            y[:, t] += kernel[j] * steps[:, t + j - offset + width - 1]
-    return y, steps[:, length : length + width - 1]
+    zeros = np.zeros((width - 1,) + x.shape[2:])
+    y, last = np.zeros_like(x), []
+    for b in range(x.shape[0]):
+        before = zeros if previous is None else _np(previous)[b]
+        kept = np.flatnonzero(valid[b])
+        # Unmasked step `i` at `i + width - 1`.
+        steps = np.concatenate([before, x[b, kept], zeros])
+        for i, t in enumerate(kept):
+            for j in range(width):
+                y[b, t] += kernel[j] * steps[i + j - offset + width - 1]
+        last.append(steps[len(kept) : len(kept) + width - 1])
+    return y, np.stack(last)
 
 
 def _random_state(layer, batch=BATCH, seed=3):
@@ -355,7 +378,7 @@ def _gradients(layer, x, state, upstream, **call_kwargs):
     return [_np(g) for g in grads]
 
 
-def _stream(layer, x, sizes, mask=None):
+def _stream(layer, x, sizes, mask=None, segment_ids=None):
     """Runs `x` through a causal layer in pieces of the given sizes."""
     state = layer.get_initial_state(x.shape[0])
     outputs, start = [], 0
@@ -366,6 +389,7 @@ def _stream(layer, x, sizes, mask=None):
             mask=None if mask is None else mask[:, piece],
             initial_state=state,
             return_state=True,
+            segment_ids=None if segment_ids is None else segment_ids[:, piece],
         )
         outputs.append(backend.convert_to_numpy(y))
         start += size
@@ -402,6 +426,34 @@ class LinearAttentionTest(testing.TestCase):
             actual, expected = actual[:-1], expected[:-1]
         for i, (a, e) in enumerate(zip(actual, expected)):
             self.assertClose(a, e, tols[i], f"{msg} state[{i}]")
+
+    def assertPiecesAlone(self, layer, x, mask, segment_ids):
+        """Each document of each row (the row without `segment_ids`) without
+        its masked steps, alone, against the rows: outputs and the last
+        document's final state, by each algorithm; returns the rows' state."""
+        causal, final = layer.causal, {}
+        alone = []
+        ids = np.zeros(mask.shape) if segment_ids is None else segment_ids
+        for row, kept in _documents(ids, mask):
+            outputs = layer(x[row : row + 1, kept], return_state=causal)
+            alone.append((row, kept, outputs[0] if causal else outputs))
+            final[row] = outputs[1] if causal else None
+        for mode in ("parallel", "recurrent") if causal else ("auto",):
+            layer.execution_mode = mode
+            y = layer(
+                x, mask=mask, return_state=causal, segment_ids=segment_ids
+            )
+            y, state = y if causal else (y, None)
+            for row, kept, expected in alone:
+                self.assertClose(y[row : row + 1, kept], expected, msg=mode)
+            for row, expected in final.items() if causal else ():
+                self.assertStateClose(
+                    [s[row : row + 1] for s in state[: len(expected)]],
+                    expected,
+                    msg=f"{mode} state",
+                )
+        layer.execution_mode = "auto"
+        return state
 
     # The contract: construction, weights, configuration, errors.
 
@@ -868,13 +920,91 @@ class LinearAttentionTest(testing.TestCase):
             self.assertDType(propagated, "bool")
             self.assertAllEqual(propagated, valid)
 
-    @parameterized.named_parameters(("causal", True), ("non_causal", False))
-    def test_conv_left_padding_is_the_prompt_alone(self, causal):
-        # Masked steps enter the short convolution as zeros, as the steps
-        # before the sequence do.
-        layer, x = _layer("grouped_conv", causal=causal), _inputs()
-        mask = np.broadcast_to(np.arange(LENGTH) >= 7, (BATCH, LENGTH))
-        self.assertClose(layer(x, mask=mask)[:, 7:], layer(x[:, 7:]))
+    @parameterized.named_parameters(
+        ("conv", "grouped_conv", True, {}),
+        ("conv_non_causal", "grouped_conv", False, {}),
+        ("hybrid", "favor_plus", True, {"local_window": 5}),
+        ("hybrid_non_causal", "grouped", False, {"local_window": 3}),
+        (
+            "hybrid_decay_conv",
+            "grouped_conv",
+            True,
+            {"local_window": 3, "decay": "learned"},
+        ),
+    )
+    def test_masked_steps_are_not_there(self, config, causal, kwargs):
+        # The convolution and the window read the unmasked steps only: a
+        # row gives, at its unmasked steps, what it gives without the
+        # masked ones, and the same final state, by either algorithm.
+        layer = _layer(config, causal=causal, **kwargs)
+        x, mask = _inputs(), _mask()
+        self.assertPiecesAlone(layer, x, mask, None)
+
+    # Packed documents.
+
+    @parameterized.named_parameters(
+        ("causal", None, True, {}),
+        ("non_causal", None, False, {}),
+        ("decay_grouped_hedgehog", "grouped_hedgehog", True, {"decay": 0.9}),
+        ("conv", "grouped_conv", True, {}),
+        ("conv_non_causal", "grouped_conv", False, {}),
+        ("hybrid_non_causal", "grouped", False, {"local_window": 3}),
+        (
+            "hybrid_decay_conv",
+            "grouped_conv",
+            True,
+            {"local_window": 3, "decay": "learned"},
+        ),
+    )
+    def test_segment_ids(self, config, causal, kwargs):
+        # Each document of a packed row (here with padding and a masked
+        # first step) gives what it gives alone, by either algorithm; the
+        # final state is the last document's, with its id.
+        layer = _layer(config, causal=causal, **kwargs)
+        x, mask, ids = _inputs(), _mask(), _segment_ids()
+        state = self.assertPiecesAlone(layer, x, mask, ids)
+        if not causal:
+            return
+        # The state carries the id of the last document.
+        self.assertAllEqual(state[-1], [2, 3])
+        self.assertDType(state[-1], "int32")
+        # A stream split at boundaries (30 and 55 of the first row), inside
+        # a piece (50 of the second) and by a single token is the packed
+        # call.
+        y, state = layer(x, mask=mask, return_state=True, segment_ids=ids)
+        streamed, streamed_state = _stream(layer, x, [30, 1, 24, 15], mask, ids)
+        self.assertClose(streamed, y)
+        self.assertAllEqual(streamed_state[-1], state[-1])
+        self.assertStateClose(streamed_state[:-1], state[:-1])
+
+    def test_segment_ids_in_a_model(self):
+        # The ids as a second input of a functional model, saved and loaded.
+        layer = _layer("grouped_conv", causal=True, local_window=4)
+        inputs = layers.Input((None, INPUT_DIM))
+        ids = layers.Input((None,), dtype="int32")
+        model = models.Model([inputs, ids], layer(inputs, segment_ids=ids))
+        x, segment_ids = _inputs(), _segment_ids()
+        expected = layer(x, segment_ids=segment_ids)
+        self.assertClose(model([x, segment_ids]), expected)
+        path = os.path.join(self.get_temp_dir(), "packed.keras")
+        model.save(path)
+        self.assertAllEqual(
+            saving.load_model(path)([x, segment_ids]), model([x, segment_ids])
+        )
+
+    def test_invalid_segment_ids(self):
+        layer, x = _layer(causal=True), _inputs()
+        ids = _segment_ids()
+        for segment_ids, message in (
+            (ids.astype("float32"), "integer.*float32"),
+            (ids[:, :-1], r"shape \(2, 69\)"),
+            (ids[..., None], r"shape \(2, 70, 1\)"),
+            ([[0] * LENGTH] * BATCH, "type list"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                layer(x, segment_ids=segment_ids)
+        with self.assertRaisesRegex(ValueError, "cosformer.*segment_ids"):
+            _layer("cosformer")(x, segment_ids=ids)
 
     # The state.
 
@@ -940,6 +1070,7 @@ class LinearAttentionTest(testing.TestCase):
             (plain, (s[0][..., :2], s[1]), r"\(3, 2, 3, 5\)"),
             (plain, (s[0][:1], s[1][:1]), "batch size"),
             (plain, (s[0], ops.cast(s[1], "int32")), "key_state.*floating"),
+            (plain, s + (ops.zeros((3,)),), "document id.*float32"),
             (hybrid, s, "tuple of 5"),
             (hybrid, h[:4], "tuple of 5"),
             (
