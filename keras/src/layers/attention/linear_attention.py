@@ -548,6 +548,13 @@ class LinearAttention(Layer):
         # The values masked, so that no product can bring masked steps back.
         value = _masked(value, mask)
         valid = None if mask is None else ops.cast(mask, dtype)
+        if back is not None and backend.backend() == "openvino":
+            # Workaround: OpenVINO miscompiles the algorithms in one graph
+            # with the gather of the unmasked steps; evaluated apart.
+            query, key, value, valid, state, documents = tree.map_structure(
+                lambda x: x if x is None else ops.convert_to_numpy(x),
+                (query, key, value, valid, state, documents),
+            )
         # Maps that weigh by position (they do not stream) keep the call's.
         positions = None if self._feature_map.streams else order
         if 0 in inputs.shape[:2]:

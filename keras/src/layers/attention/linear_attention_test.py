@@ -444,6 +444,7 @@ class LinearAttentionTest(testing.TestCase):
                 x, mask=mask, return_state=causal, segment_ids=segment_ids
             )
             y, state = y if causal else (y, None)
+            y = backend.convert_to_numpy(y)
             for row, kept, expected in alone:
                 self.assertClose(y[row : row + 1, kept], expected, msg=mode)
             for row, expected in final.items() if causal else ():
@@ -1188,10 +1189,14 @@ class LinearAttentionTest(testing.TestCase):
             ("f16_decay_hedgehog", "float16", "grouped_hedgehog", "learned"),
             ("bf16_hybrid_decay_favor", "bfloat16", "favor_plus", 0.9, 5),
             ("f16_hybrid_conv", "float16", "grouped_conv", None, 5),
+            ("bf16_packed", "bfloat16", "grouped_conv", 0.9, 5, True),
         ]
     )
-    def test_mixed_precision(self, dtype, config, decay=None, window=None):
+    def test_mixed_precision(
+        self, dtype, config, decay=None, window=None, packed=False
+    ):
         x, mask = _inputs(), _mask()
+        ids = _segment_ids() if packed else None
         tol = MIXED_TOL[dtype]
         kwargs = {"decay": decay, "local_window": window}
         for causal in (True,) if decay else (False, True):
@@ -1202,10 +1207,15 @@ class LinearAttentionTest(testing.TestCase):
             reference.set_weights(layer.get_weights())
             for variable in layer.weights:
                 self.assertDType(variable, "float32")
-            y = layer(x, mask=mask, return_state=causal)
-            expected = reference(x, mask=mask, return_state=causal)
+            y, expected = (
+                model(x, mask=mask, return_state=causal, segment_ids=ids)
+                for model in (layer, reference)
+            )
             if causal:
                 (y, state), (expected, expected_state) = y, expected
+                if packed:
+                    self.assertAllEqual(state[-1], expected_state[-1])
+                    state, expected_state = state[:-1], expected_state[:-1]
             self.assertDType(y, dtype)
             self.assertClose(y, expected, tol)
             if not causal:
