@@ -176,8 +176,11 @@ def _np_cosformer_layer(layer, x, mask):
     allowed = allowed & ((distance >= 0) if layer.causal else True)
     if layer.local_window is not None:
         # Near pairs exp(s_tj), far ones exp(a_h) w_tj, both over e^m_t
-        # for m_t the largest valid near score, or 0 if larger.
-        near = allowed & (np.abs(distance) < layer.local_window)
+        # for m_t the largest valid near score, or 0 if larger. The window
+        # counts unmasked steps.
+        counted = np.cumsum(mask, axis=1)
+        counted = counted[:, :, None] - counted[:, None, :]
+        near = allowed & (np.abs(counted)[:, None] < layer.local_window)
         scores = np.einsum("bthd,bjhd->bhtj", query, key) / layer.key_dim**0.5
         far_scale = np.exp(w["far_log_scale"])[:, None, None]
         weights = np.where(near, np.exp(scores), far_scale * weights)
