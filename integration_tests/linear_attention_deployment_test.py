@@ -111,6 +111,12 @@ def _upstream_failure(format, kwargs):
             "`XlaCallModule` op, which OpenVINO's TensorFlow frontend has "
             "no conversion rule for."
         )
+    if backend.backend() == "jax" and format == "onnx" and kwargs.get("packed"):
+        return (
+            "jax2onnx gives each input's unknown dimensions symbols of their "
+            "own, so that the ids' length is not the inputs' length and no "
+            "op can combine the two."
+        )
     sliced = any(
         kwargs.get(option)
         for option in ("causal", "local_window", "conv_kernel_size")

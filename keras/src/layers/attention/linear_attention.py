@@ -980,7 +980,7 @@ def _check_segment_ids(segment_ids, inputs):
         or not backend.is_int_dtype(dtype)
         or len(shape) != 2
         or any(
-            None not in (dim, other) and dim != other
+            isinstance(dim, int) and isinstance(other, int) and dim != other
             for dim, other in zip(shape, inputs.shape[:2])
         )
     ):
