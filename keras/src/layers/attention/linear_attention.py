@@ -551,9 +551,11 @@ class LinearAttention(Layer):
         if back is not None and backend.backend() == "openvino":
             # Workaround: OpenVINO miscompiles the algorithms in one graph
             # with the gather of the unmasked steps; evaluated apart.
-            query, key, value, valid, state, documents = tree.map_structure(
-                lambda x: x if x is None else ops.convert_to_numpy(x),
-                (query, key, value, valid, state, documents),
+            query, key, value, valid, state, documents, order = (
+                tree.map_structure(
+                    lambda x: x if x is None else ops.convert_to_numpy(x),
+                    (query, key, value, valid, state, documents, order),
+                )
             )
         # Maps that weigh by position (they do not stream) keep the call's.
         positions = None if self._feature_map.streams else order
