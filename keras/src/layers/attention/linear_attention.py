@@ -519,29 +519,20 @@ class LinearAttention(Layer):
             if (
                 self.conv_kernel_size
                 or self.local_window
-                or segment_ids is not None
+                or (segment_ids is not None)
             ):
-                # A masked step is not there: each row's come last.
-                order, back = core.unmasked_first(mask)
-                inputs = core.take_steps(inputs, order)
-                lengths = ops.sum(ops.cast(mask, "int32"), axis=1)
-                mask = core.take_steps(ops.cast(mask, "int32"), order) > 0
-                if segment_ids is not None:
-                    segment_ids = core.take_steps(segment_ids, order)
+                # A masked step is not there for neighbours: they come last.
+                (inputs, segment_ids), mask, lengths, order, back = (
+                    _unmasked_first(mask, inputs, segment_ids)
+                )
         dtype = self.accumulator_dtype
         state = None
         if self.causal:
             state = initial_state or self._zero_state(ops.shape(inputs)[0])
             state = tuple(ops.cast(s, dtype) for s in state)
-        documents = None
-        if segment_ids is not None:
-            # Of the inputs' batch size and length: `torch.export` does not
-            # otherwise relate the two inputs' sizes.
-            inputs_zeros = ops.zeros_like(inputs[..., 0], segment_ids.dtype)
-            segment_ids = segment_ids + inputs_zeros
-            documents, carried_id = _documents(
-                segment_ids, mask, lengths, carried_id, dtype
-            )
+        documents, carried_id = _documents(
+            segment_ids, inputs, mask, lengths, carried_id, dtype
+        )
         (query, key, value), state, conv_state = self._project(
             inputs, mask, state, documents, lengths
         )
@@ -551,11 +542,8 @@ class LinearAttention(Layer):
         if back is not None and backend.backend() == "openvino":
             # Workaround: OpenVINO miscompiles the algorithms in one graph
             # with the gather of the unmasked steps; evaluated apart.
-            query, key, value, valid, state, documents, order = (
-                tree.map_structure(
-                    lambda x: x if x is None else ops.convert_to_numpy(x),
-                    (query, key, value, valid, state, documents, order),
-                )
+            query, key, value, valid, state, documents, order = _evaluated(
+                query, key, value, valid, state, documents, order
             )
         # Maps that weigh by position (they do not stream) keep the call's.
         positions = None if self._feature_map.streams else order
@@ -953,9 +941,35 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _documents(segment_ids, mask, lengths, carried_id, dtype):
+def _unmasked_first(mask, *tensors):
+    """The `(batch, time, ...)` tensors (or `None`) and the mask with each
+    row's unmasked steps first; their count per row, the order taken and
+    the order back."""
+    order, back = core.unmasked_first(mask)
+    lengths = ops.sum(ops.cast(mask, "int32"), axis=1)
+    mask = core.take_steps(ops.cast(mask, "int32"), order) > 0
+    tensors = [x if x is None else core.take_steps(x, order) for x in tensors]
+    return tensors, mask, lengths, order, back
+
+
+def _evaluated(*tensors):
+    """The tensors (or `None`) evaluated, as NumPy arrays."""
+    return tree.map_structure(
+        lambda x: x if x is None else ops.convert_to_numpy(x), tensors
+    )
+
+
+def _documents(segment_ids, inputs, mask, lengths, carried_id, dtype):
     """Each step's document, counted from the carried one (0), and the id
-    of the last unmasked step (unmasked steps come first)."""
+    of the last unmasked step (unmasked steps come first); none without
+    ids."""
+    if segment_ids is None:
+        return None, carried_id
+    # Tied to the inputs' batch size and length, which `torch.export` does
+    # not otherwise relate to the ids'.
+    segment_ids = segment_ids + ops.zeros_like(
+        inputs[..., 0], segment_ids.dtype
+    )
     first = segment_ids[:, :1]
     if carried_id is not None:
         first = ops.expand_dims(ops.cast(carried_id, segment_ids.dtype), 1)

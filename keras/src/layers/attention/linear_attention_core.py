@@ -85,15 +85,9 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
         # Slices that end relative to the end: no length enters the graph.
         return x[:, j : j - width + 1 or None]
 
-    def last(y):
-        # The last `width - 1` steps: slices where every step counts.
-        if lengths is None:
-            return y[:, 1 - width :]
-        return steps_before(y, lengths + before, width - 1)
-
     if documents is None:
         outputs = sum(kernel[j] * tap(padded, j) for j in range(width))
-        return outputs, last(padded)
+        return outputs, _last_steps(padded, width - 1, lengths, before)
     # The padding is document 0: the carried steps' (and zeros' otherwise).
     documents = _prepend_zeros(documents, before)
     documents = _append_zeros(documents, width - 1 - before)
@@ -103,9 +97,7 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
         * _expand_like(tap(documents, j) == tap(documents, before), x)
         for j in range(width)
     )
-    steps, steps_documents = last(padded), last(documents)
-    same = steps_documents == steps_documents[:, -1:]
-    return outputs, steps * _expand_like(same, steps)
+    return outputs, _last_steps(padded, width - 1, lengths, before, documents)
 
 
 def unmasked_first(mask):
@@ -139,6 +131,25 @@ def steps_before(x, end, count):
     `(batch,)` of each row."""
     steps = ops.arange(count, dtype="int32")
     return take_steps(x, ops.expand_dims(end, 1) - count + steps)
+
+
+def _last_steps(x, count, lengths=None, offset=0, documents=None):
+    """The last `count` steps of `x` `(batch, time, ...)` before step
+    `lengths + offset` of each row (the end by default); with `documents`,
+    zeros for steps of another document than the last one's."""
+    if lengths is None:
+        # Slices where every step counts: no length enters the graph.
+        x, documents = (
+            y if y is None else y[:, -count:] for y in (x, documents)
+        )
+    else:
+        x, documents = (
+            y if y is None else steps_before(y, lengths + offset, count)
+            for y in (x, documents)
+        )
+    if documents is None:
+        return x
+    return x * _expand_like(documents == documents[:, -1:], x)
 
 
 def _expand_like(condition, x):
@@ -555,20 +566,13 @@ def local_window(
         )
         far = (far[0] + after[0], far[1] + after[1])
     outputs = readout(numerator + far[0], denominator + far[1])
-
-    def last(x):
-        # The last `window` steps: slices where every step counts.
-        if lengths is None:
-            return x[:, -window:]
-        return steps_before(x, lengths + window, window)
-
+    last = functools.partial(
+        _last_steps, count=window, lengths=lengths, offset=window
+    )
     keys, values = (
         ops.swapaxes(last(ops.swapaxes(x, 1, 2)), 1, 2) for x in (keys, values)
     )
-    valids = last(valids)
-    if documents is not None:
-        documents = last(documents)
-        valids = valids * ops.cast(documents == documents[:, -1:], valids.dtype)
+    valids = last(valids, documents=documents)
     return outputs, tuple(far_state) + (keys, values, valids)
 
 
