@@ -1135,6 +1135,22 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             expected, _ = np_reference(layer, x)
             assert_close(model.predict(x, verbose=0), expected, PREDICT_RTOL)
 
+    def test_segment_ids_in_a_functional_model(self):
+        # The ids as a second input of a functional model, saved and loaded.
+        layer = make_layer(causal=True, conv_kernel_size=3, local_window=4)
+        inputs = layers.Input((None, INPUT_DIM))
+        ids = layers.Input((None,), dtype="int32")
+        model = models.Model([inputs, ids], layer(inputs, segment_ids=ids))
+        x = random_inputs((BATCH, LENGTH, INPUT_DIM))
+        segment_ids = np.zeros((BATCH, LENGTH), "int32")
+        segment_ids[0, LENGTH // 2 :], segment_ids[1, :10] = 1, 7
+        expected = layer(x, segment_ids=segment_ids)
+        assert_close(model([x, segment_ids]), expected, FLOAT32_RTOL)
+        path = os.path.join(self.get_temp_dir(), "packed.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        self.assertAllEqual(loaded([x, segment_ids]), model([x, segment_ids]))
+
     # Feature maps.
 
     def test_unregistered_feature_map_objects(self):

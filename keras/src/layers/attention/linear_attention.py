@@ -502,8 +502,6 @@ class LinearAttention(Layer):
         training=None,
         segment_ids=None,
     ):
-        if isinstance(initial_state, _UncastState):
-            initial_state = initial_state.state
         carried_id, initial_state = self._check_call_arguments(
             inputs, initial_state, return_state, segment_ids
         )
@@ -512,25 +510,23 @@ class LinearAttention(Layer):
         if mask is None:
             mask = backend.get_keras_mask(inputs)
         mask = _standardize_mask(mask, inputs)
-        back = lengths = order = None
+        lengths = order = back = None
         if mask is not None:
             # Padding's inf or nan would reach the weights through gradients.
             inputs = _masked(inputs, mask)
-            if (
-                self.conv_kernel_size
-                or self.local_window
-                or (segment_ids is not None)
-            ):
-                # A masked step is not there for neighbours: they come last.
-                (inputs, segment_ids), mask, lengths, order, back = (
-                    _unmasked_first(mask, inputs, segment_ids)
-                )
+        neighbours = self.conv_kernel_size or self.local_window
+        if mask is not None and (neighbours or segment_ids is not None):
+            # A masked step is not there for neighbours: they come last.
+            order, back, lengths = core.unmasked_first(mask)
+            inputs, mask, segment_ids = core.take_steps(
+                order, inputs, mask, segment_ids
+            )
         dtype = self.accumulator_dtype
         state = None
         if self.causal:
             state = initial_state or self._zero_state(ops.shape(inputs)[0])
             state = tuple(ops.cast(s, dtype) for s in state)
-        documents, carried_id = _documents(
+        documents, carried_id = core.count_documents(
             segment_ids, inputs, mask, lengths, carried_id, dtype
         )
         (query, key, value), state, conv_state = self._project(
@@ -539,27 +535,9 @@ class LinearAttention(Layer):
         # The values masked, so that no product can bring masked steps back.
         value = _masked(value, mask)
         valid = None if mask is None else ops.cast(mask, dtype)
-        if back is not None and backend.backend() == "openvino":
-            # Workaround: OpenVINO miscompiles the algorithms in one graph
-            # with the gather of the unmasked steps; evaluated apart.
-            query, key, value, valid, state, documents, order = _evaluated(
-                query, key, value, valid, state, documents, order
-            )
-        # Maps that weigh by position (they do not stream) keep the call's.
-        positions = None if self._feature_map.streams else order
-        if 0 in inputs.shape[:2]:
-            # An empty piece of a stream passes the state through; an empty
-            # batch has no chunks to count.
-            shape = tuple(ops.shape(inputs)[:2])
-            outputs = ops.zeros(shape + (self.num_heads, self.value_dim), dtype)
-        elif self.local_window is not None:
-            outputs, state = self._local_window(
-                query, key, value, valid, state, documents, lengths, positions
-            )
-        else:
-            outputs, state = self._linear(
-                query, key, value, valid, state, documents, positions
-            )
+        outputs, state = self._attend(
+            (query, key, value, valid, state, documents, order), lengths
+        )
         if conv_state:
             # Back into the order of `_state_shapes`, by name.
             names = [n for n in self._state_shapes() if n not in conv_state]
@@ -574,10 +552,36 @@ class LinearAttention(Layer):
         outputs = _masked(self._output_dense(outputs), mask)
         outputs = ops.cast(outputs, self.compute_dtype)
         if back is not None:
-            outputs = core.take_steps(outputs, back)
+            (outputs,) = core.take_steps(back, outputs)
         if not return_state:
             return outputs
         return outputs, state + (() if carried_id is None else (carried_id,))
+
+    def _attend(self, tensors, lengths):
+        """Attention of the projected `(query, key, value, valid, state,
+        documents, order)`: the outputs per head and the state."""
+        if lengths is not None and backend.backend() == "openvino":
+            # Workaround: OpenVINO miscompiles the algorithms in one graph
+            # with the gather of the unmasked steps; evaluated apart.
+            tensors = tree.map_structure(
+                lambda x: x if x is None else ops.convert_to_numpy(x), tensors
+            )
+        query, key, value, valid, state, documents, order = tensors
+        # Maps that weigh by position (they do not stream) keep the call's.
+        positions = None if self._feature_map.streams else order
+        if 0 in query.shape[:2]:
+            # An empty piece of a stream passes the state through; an empty
+            # batch has no chunks to count.
+            shape = tuple(ops.shape(value)[:2])
+            shape += (self.num_heads, self.value_dim)
+            return ops.zeros(shape, self.accumulator_dtype), state
+        if self.local_window is not None:
+            return self._local_window(
+                query, key, value, valid, state, documents, lengths, positions
+            )
+        return self._linear(
+            query, key, value, valid, state, documents, positions
+        )
 
     def _project(self, inputs, mask, state, documents=None, lengths=None):
         """The queries, keys and values `(batch, time, heads, size)` in the
@@ -767,6 +771,8 @@ class LinearAttention(Layer):
     ):
         """Checks the call's arguments; returns the carried document id
         (or `None`) and the rest of `initial_state`."""
+        if isinstance(initial_state, _UncastState):
+            initial_state = initial_state.state
         if isinstance(inputs, (list, tuple, dict)):
             _check_input_shape(tree.map_structure(ops.shape, inputs))
         _check_input_shape(tuple(inputs.shape))
@@ -939,48 +945,6 @@ def _masked(x, mask):
     if backend.standardize_dtype(mask.dtype) != "bool":
         return x * mask
     return ops.where(mask, x, ops.zeros_like(x))
-
-
-def _unmasked_first(mask, *tensors):
-    """The `(batch, time, ...)` tensors (or `None`) and the mask with each
-    row's unmasked steps first; their count per row, the order taken and
-    the order back."""
-    order, back = core.unmasked_first(mask)
-    lengths = ops.sum(ops.cast(mask, "int32"), axis=1)
-    mask = core.take_steps(ops.cast(mask, "int32"), order) > 0
-    tensors = [x if x is None else core.take_steps(x, order) for x in tensors]
-    return tensors, mask, lengths, order, back
-
-
-def _evaluated(*tensors):
-    """The tensors (or `None`) evaluated, as NumPy arrays."""
-    return tree.map_structure(
-        lambda x: x if x is None else ops.convert_to_numpy(x), tensors
-    )
-
-
-def _documents(segment_ids, inputs, mask, lengths, carried_id, dtype):
-    """Each step's document, counted from the carried one (0), and the id
-    of the last unmasked step (unmasked steps come first); none without
-    ids."""
-    if segment_ids is None:
-        return None, carried_id
-    # Tied to the inputs' batch size and length, which `torch.export` does
-    # not otherwise relate to the ids'.
-    segment_ids = segment_ids + ops.zeros_like(
-        inputs[..., 0], segment_ids.dtype
-    )
-    first = segment_ids[:, :1]
-    if carried_id is not None:
-        first = ops.expand_dims(ops.cast(carried_id, segment_ids.dtype), 1)
-    ids = ops.concatenate([first, segment_ids], axis=1)
-    new = ids[:, 1:] != ids[:, :-1]
-    if mask is not None:
-        new = ops.logical_and(new, mask)
-    documents = ops.cumsum(ops.cast(new, dtype), axis=1)
-    if lengths is None:
-        return documents, ids[:, -1]
-    return documents, core.steps_before(ids, lengths + 1, 1)[:, 0]
 
 
 def _check_segment_ids(segment_ids, inputs):

@@ -102,7 +102,8 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
 
 def unmasked_first(mask):
     """The order of steps that puts each row's unmasked steps first, in
-    their order, then the masked ones; and the order back."""
+    their order, then the masked ones; the order back; and the count of
+    unmasked steps per row."""
     valid = ops.cast(mask, "int32")
     before = _cumsum(valid, 1)
     steps = _cumsum(ops.ones_like(valid), 1) - 1
@@ -110,13 +111,21 @@ def unmasked_first(mask):
     # The smallest keys first; not `argsort`, whose stable sort PyTorch's
     # ONNX export refuses (the keys are distinct).
     order = ops.top_k(-ops.where(mask, steps, steps + length), length)[1]
-    masked_before = steps + 1 - before + ops.sum(valid, 1, keepdims=True)
-    return ops.cast(order, "int32"), ops.where(mask, before, masked_before) - 1
+    lengths = ops.sum(valid, 1)
+    masked_before = steps + 1 - before + ops.expand_dims(lengths, 1)
+    back = ops.where(mask, before, masked_before) - 1
+    return ops.cast(order, "int32"), back, lengths
 
 
-def take_steps(x, index):
-    """The steps `index` `(batch, n)` of each row of `x` `(batch, time,
-    ...)`."""
+def take_steps(index, *tensors):
+    """The steps `index` `(batch, n)` of each row of each `(batch, time,
+    ...)` tensor (or `None`)."""
+    return [x if x is None else _take_steps(x, index) for x in tensors]
+
+
+def _take_steps(x, index):
+    if backend.standardize_dtype(x.dtype) == "bool":
+        return _take_steps(ops.cast(x, "int32"), index) > 0
     shape, count = ops.shape(x), ops.shape(index)[1]
     # One gather over all rows: `take_along_axis` fixes the batch size and
     # length of `torch.export`ed graphs.
@@ -126,11 +135,35 @@ def take_steps(x, index):
     return ops.reshape(taken, (shape[0], count) + tuple(shape[2:]))
 
 
+def count_documents(segment_ids, inputs, mask, lengths, carried_id, dtype):
+    """`documents` from `segment_ids` (the steps of each row's `lengths`
+    unmasked ones first), and the id of the last unmasked step; `None`
+    and `carried_id` without ids."""
+    if segment_ids is None:
+        return None, carried_id
+    # Tied to the inputs' batch size and length, which `torch.export` does
+    # not otherwise relate to the ids'.
+    segment_ids = segment_ids + ops.zeros_like(
+        inputs[..., 0], segment_ids.dtype
+    )
+    first = segment_ids[:, :1]
+    if carried_id is not None:
+        first = ops.expand_dims(ops.cast(carried_id, segment_ids.dtype), 1)
+    ids = ops.concatenate([first, segment_ids], axis=1)
+    new = ids[:, 1:] != ids[:, :-1]
+    if mask is not None:
+        new = ops.logical_and(new, mask)
+    documents = _cumsum(ops.cast(new, dtype), 1)
+    if lengths is None:
+        return documents, ids[:, -1]
+    return documents, steps_before(ids, lengths + 1, 1)[:, 0]
+
+
 def steps_before(x, end, count):
     """The `count` steps of `x` `(batch, time, ...)` before step `end`
     `(batch,)` of each row."""
     steps = ops.arange(count, dtype="int32")
-    return take_steps(x, ops.expand_dims(end, 1) - count + steps)
+    return _take_steps(x, ops.expand_dims(end, 1) - count + steps)
 
 
 def _last_steps(x, count, lengths=None, offset=0, documents=None):
@@ -152,10 +185,20 @@ def _last_steps(x, count, lengths=None, offset=0, documents=None):
     return x * _expand_like(documents == documents[:, -1:], x)
 
 
+def _zero_state(key, value, use_normalizer):
+    """A zero state for `(batch, time, kv_heads, ...)` keys and values."""
+    batch, heads, features = ops.shape(key)[0], key.shape[2], key.shape[3]
+    shapes = [(batch, heads, features, value.shape[3])]
+    shapes += [(batch, heads, features)] if use_normalizer else []
+    return tuple(ops.zeros(shape, key.dtype) for shape in shapes)
+
+
 def _expand_like(condition, x):
     """A `(batch, time)` condition as a 0/1 factor of `x`'s rank."""
     condition = ops.cast(condition, x.dtype)
-    return ops.expand_dims(condition, tuple(range(2, len(x.shape))))
+    # No empty axes: OpenVINO refuses them.
+    axes = tuple(range(2, len(x.shape)))
+    return ops.expand_dims(condition, axes) if axes else condition
 
 
 def _starts(documents):
@@ -300,19 +343,28 @@ def chunkwise(
         denominator = ops.sum(scores, axis=-1) + ops.einsum(
             "xcd,xd->xc", query, entering[1]
         )
-    if readout is not None or not use_normalizer:
+    outputs = _outputs_from_chunks(
+        numerator, denominator, readout, (batch, length, heads, chunk)
+    )
+    return outputs, state
+
+
+def _outputs_from_chunks(numerator, denominator, readout, shape):
+    """The outputs (or with no `readout` the numerators and denominators)
+    as `(batch, time, heads, ...)`, from rows of chunks."""
+    if readout is not None or denominator is None:
         outputs = (
             numerator if readout is None else readout(numerator, denominator)
         )
-        outputs = _from_chunks(outputs, batch, length, heads, chunk)
-        return (outputs if readout else (outputs, None)), state
+        outputs = _from_chunks(outputs, *shape)
+        return outputs if readout else (outputs, None)
     # Rearranged together: a tensor of one feature would make PyTorch's
     # export specialize the length.
     outputs = ops.concatenate(
         [numerator, ops.expand_dims(denominator, -1)], axis=-1
     )
-    outputs = _from_chunks(outputs, batch, length, heads, chunk)
-    return (outputs[..., :-1], outputs[..., -1]), state
+    outputs = _from_chunks(outputs, *shape)
+    return outputs[..., :-1], outputs[..., -1]
 
 
 def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
@@ -354,11 +406,8 @@ def _non_causal_documents(
 ):
     """Non-causal attention inside documents: a causal pass forward and one
     backward, less each step's own term, which both count."""
-    batch, heads = ops.shape(key)[0], key.shape[2]
-    shapes = [(batch, heads, key.shape[3], value.shape[3])]
-    if use_normalizer:
-        shapes.append((batch, heads, key.shape[3]))
-    state = tuple(ops.zeros(shape, key.dtype) for shape in shapes)
+    heads = key.shape[2]
+    state = _zero_state(key, value, use_normalizer)
     forward, _ = chunkwise(
         query, key, value, state, None, None, chunk, documents
     )
@@ -523,12 +572,10 @@ def local_window(
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1 - window
     gates = None if log_gates is None else log_gates[:, window:]
     inputs = None if documents is None else documents[:, window:]
+    steps = (keys, values, valids, documents)
     far_keys, far_values = _delayed(
-        keys, values, valids, log_gates, key_features, positions, window
+        steps, log_gates, key_features, positions, window
     )
-    if documents is not None:
-        same = documents[:, :-window] == inputs
-        far_keys = far_keys * _expand_like(same, far_keys)
     if recurrent_mode:
         step_inputs = (query, query_features, far_bias, far_keys, far_values)
         if inputs is not None:
@@ -540,40 +587,28 @@ def local_window(
     numerator, denominator, maximum = _window_chunkwise(
         query, keys, values, valids, window, span, chunk, documents
     )
-    query_features = query_features * ops.expand_dims(
-        ops.exp(far_bias - maximum), -1
-    )
+    features = query_features * ops.expand_dims(ops.exp(far_bias - maximum), -1)
     far, far_state = chunkwise(
-        query_features,
-        far_keys,
-        far_values,
-        far_state,
-        gates,
-        None,
-        chunk,
-        inputs,
+        features, far_keys, far_values, far_state, gates, None, chunk, inputs
     )
     if not causal_mode:
-        after = _far_after(
-            query_features,
-            keys,
-            values,
-            valids,
-            key_features,
-            window,
-            chunk,
-            documents,
-        )
+        after = _far_after(features, steps, key_features, window, chunk)
         far = (far[0] + after[0], far[1] + after[1])
     outputs = readout(numerator + far[0], denominator + far[1])
+    return outputs, tuple(far_state) + _last_window(steps, window, lengths)
+
+
+def _last_window(steps, window, lengths):
+    """The last `window` keys, values and valids (of the last step's
+    document) of the first `lengths` inputs."""
+    keys, values, valids, documents = steps
     last = functools.partial(
         _last_steps, count=window, lengths=lengths, offset=window
     )
     keys, values = (
         ops.swapaxes(last(ops.swapaxes(x, 1, 2)), 1, 2) for x in (keys, values)
     )
-    valids = last(valids, documents=documents)
-    return outputs, tuple(far_state) + (keys, values, valids)
+    return keys, values, last(valids, documents=documents)
 
 
 def _local_window_recurrent(
@@ -591,21 +626,15 @@ def _local_window_recurrent(
     return recurrent(step, state, step_inputs)
 
 
-def _far_after(
-    query_features,
-    keys,
-    values,
-    valids,
-    key_features,
-    window,
-    chunk,
-    documents=None,
-):
+def _far_after(query_features, steps, key_features, window, chunk):
     """The far part of non-causal queries: the keys at least `window`
     steps after each query, as the causal far part of the reversed
     sequence (whose positions count down)."""
 
     def reverse(x, axis):
+        # The `window` steps before the inputs stay first.
+        if x is None:
+            return None
         head = (slice(None),) * axis
         return ops.concatenate(
             [
@@ -615,34 +644,18 @@ def _far_after(
             axis=axis,
         )
 
+    valids, documents = steps[2:]
+    steps = [reverse(x, axis) for x, axis in zip(steps, (2, 2, 1, 1))]
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
     far_keys, far_values = _delayed(
-        reverse(keys, 2),
-        reverse(values, 2),
-        reverse(valids, 1),
-        None,
-        key_features,
-        ops.flip(positions, 0) + window,
-        window,
+        steps, None, key_features, ops.flip(positions, 0) + window, window
     )
-    if documents is not None:
-        documents = reverse(documents, 1)
-        same = documents[:, :-window] == documents[:, window:]
-        far_keys = far_keys * _expand_like(same, far_keys)
-        documents = documents[:, window:]
-    heads, features = far_keys.shape[2], far_keys.shape[3]
-    batch = ops.shape(far_keys)[0]
-    state = (
-        ops.zeros(
-            (batch, heads, features, far_values.shape[3]), far_keys.dtype
-        ),
-        ops.zeros((batch, heads, features), far_keys.dtype),
-    )
+    documents = None if documents is None else steps[3][:, window:]
     (numerator, denominator), _ = chunkwise(
         ops.flip(query_features, axis=1),
         far_keys,
         far_values,
-        state,
+        _zero_state(far_keys, far_values, True),
         None,
         None,
         chunk,
@@ -651,15 +664,21 @@ def _far_after(
     return ops.flip(numerator, axis=1), ops.flip(denominator, axis=1)
 
 
-def _delayed(keys, values, valids, log_gates, key_features, positions, window):
+def _delayed(steps, log_gates, key_features, positions, window):
     """The feature-mapped keys and the values `window` steps back,
-    `(batch, time, kv_heads, ...)`: zero where masked, decayed by the
-    gates since they arrived, as in the state of the plain layer."""
+    `(batch, time, kv_heads, ...)`, of the window's `steps` (keys, values,
+    valids, documents): zero where masked or of another document, decayed
+    by the gates since they arrived, as in the state of the plain layer."""
+    keys, values, valids, documents = steps
     length = ops.shape(valids)[1] - window
     keys, values = (_heads_first(x[:, :, :length]) for x in (keys, values))
     features = key_features(keys, positions)
     # A key leaves the window only at an unmasked step.
-    weights = ops.expand_dims(valids[:, :length] * valids[:, window:], (2, 3))
+    weights = valids[:, :length] * valids[:, window:]
+    if documents is not None:
+        same = documents[:, :length] == documents[:, window:]
+        weights = weights * ops.cast(same, weights.dtype)
+    weights = ops.expand_dims(weights, (2, 3))
     if log_gates is not None:
         later = _window_sums(log_gates, window)[:, :length]
         weights = weights * ops.expand_dims(ops.exp(later), -1)

@@ -978,21 +978,6 @@ class LinearAttentionTest(testing.TestCase):
         self.assertAllEqual(streamed_state[-1], state[-1])
         self.assertStateClose(streamed_state[:-1], state[:-1])
 
-    def test_segment_ids_in_a_model(self):
-        # The ids as a second input of a functional model, saved and loaded.
-        layer = _layer("grouped_conv", causal=True, local_window=4)
-        inputs = layers.Input((None, INPUT_DIM))
-        ids = layers.Input((None,), dtype="int32")
-        model = models.Model([inputs, ids], layer(inputs, segment_ids=ids))
-        x, segment_ids = _inputs(), _segment_ids()
-        expected = layer(x, segment_ids=segment_ids)
-        self.assertClose(model([x, segment_ids]), expected)
-        path = os.path.join(self.get_temp_dir(), "packed.keras")
-        model.save(path)
-        self.assertAllEqual(
-            saving.load_model(path)([x, segment_ids]), model([x, segment_ids])
-        )
-
     def test_invalid_segment_ids(self):
         layer, x = _layer(causal=True), _inputs()
         ids = _segment_ids()
