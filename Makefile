@@ -19,7 +19,8 @@ SERIAL ?= 0
 TOOL_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 .DEFAULT_GOAL := test
-.PHONY: setup lint format test test-tools demo bench bench-recall wheel clean \
+.PHONY: setup lint format test test-tools demo bench bench-recall bench-lm \
+	wheel clean \
 	distclean restore-upstream pr-check
 
 # The venv is rebuilt only when requirements.txt changes; the upstream tree
@@ -75,6 +76,16 @@ RECALL_BACKEND ?= jax
 bench-recall: setup
 	KERAS_BACKEND=$(RECALL_BACKEND) $(PY) benchmarks/linear_attention_recall.py \
 	  $(RECALL_ARGS)
+
+# Byte-level language modelling on packed documents (the standard library's
+# .py files by default), every configuration against MultiHeadAttention, on
+# one backend; a full run takes hours (`LM_ARGS=--resume` picks up an
+# interrupted one), `make bench-lm LM_ARGS=--quick` is a smoke run (see
+# benchmarks/README.md, "Language-model benchmark").
+LM_BACKEND ?= jax
+bench-lm: setup
+	KERAS_BACKEND=$(LM_BACKEND) $(PY) benchmarks/linear_attention_lm.py \
+	  $(LM_ARGS)
 
 # The contribution as a pull request: copied into a scratch copy of a
 # keras-team/keras checkout (or `git archive` tarball), checked with its

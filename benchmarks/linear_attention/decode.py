@@ -66,7 +66,7 @@ class CachedSelfAttention(keras.layers.Layer):
         return attention._output_dense(outputs), key_cache, value_cache
 
 
-def _key_value_cache(attention, prefix):
+def key_value_cache(attention, prefix):
     """The key and value caches of `attention` holding all of `prefix`."""
     return (
         keras.ops.convert_to_numpy(attention._key_dense(prefix)),
@@ -74,7 +74,7 @@ def _key_value_cache(attention, prefix):
     )
 
 
-def _linear_step(layer, token, state):
+def linear_step(layer, token, state):
     """A function running one causal step of `layer` from `state`."""
     step = cases.compile_call(layer, return_state=True)
     token = cases.on_backend(token)
@@ -82,7 +82,7 @@ def _linear_step(layer, token, state):
     return lambda: step(token, initial_state=state)
 
 
-def _cached_step(layer, token, key_cache, value_cache, index):
+def cached_step(layer, token, key_cache, value_cache, index):
     """A function running one step of a `CachedSelfAttention` at `index`.
 
     Each step takes the caches the previous one returned, as generation
@@ -136,13 +136,13 @@ def measure_decode(positions, repeats, log, kinds=None):
             _, state = layer(prefix[:, :-1], return_state=True)
             state = [keras.ops.convert_to_numpy(s) for s in state]
             sizes = {"state_bytes": sum(s.nbytes for s in state)}
-            step = _linear_step(layer, token, state)
+            step = linear_step(layer, token, state)
             steps.append((position, name, step, sizes))
         if not selected("mha"):
             continue
-        key_cache, value_cache = _key_value_cache(attention, prefix)
+        key_cache, value_cache = key_value_cache(attention, prefix)
         sizes = {"kv_cache_bytes": key_cache.nbytes + value_cache.nbytes}
-        step = _cached_step(cached, token, key_cache, value_cache, position)
+        step = cached_step(cached, token, key_cache, value_cache, position)
         steps.append((position, "mha", step, sizes))
     for _, _, step, _ in steps:
         step()  # compile and warm up

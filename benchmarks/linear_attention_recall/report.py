@@ -251,15 +251,22 @@ def write_json(results, out):
 
 def write(results, out):
     """Writes `<backend>.md`, `.csv`, `.json` and `.png` into `out`."""
+    text, rows = markdown(results), _csv_rows(results)
+    write_files(results, out, text, CSV_FIELDS, rows, plot)
+
+
+def write_files(results, out, text, fields, rows, plot):
+    """Writes the JSON, the Markdown `text`, the CSV `rows` (dicts of
+    `fields`) and `plot(results, path)` as `<backend>.json`, `.md`, `.csv`
+    and `.png` into `out`."""
     write_json(results, out)
     base = os.path.join(out, results["backend"])
-    text = markdown(results)
     with open(base + ".md", "w") as file:
         file.write(text)
     with open(base + ".csv", "w", newline="") as file:
-        writer = csv.DictWriter(file, CSV_FIELDS)
+        writer = csv.DictWriter(file, fields)
         writer.writeheader()
-        writer.writerows(_csv_rows(results))
+        writer.writerows(rows)
     plot(results, base + ".png")
     print(text, flush=True)
     print(f"Wrote {base}.md, .csv, .json and .png", flush=True)
