@@ -111,6 +111,7 @@ def run(args):
         "seeds": plan["seeds"],
         "weight_decay": train.WEIGHT_DECAY,
         "warmup_steps": WARMUP_STEPS,
+        "final_rate": train.FINAL_RATE,
         "clip_norm": train.CLIP_NORM,
         "eval_every": plan["eval_every"],
         "eval_bytes": plan["eval_bytes"],
@@ -196,7 +197,13 @@ def _earlier(args, backend, plan, text):
         return {}
     with open(path) as file:
         earlier = json.load(file)
-    if earlier.get("corpus") != text.describe():
+    from linear_attention_lm import train
+
+    # Runs of another corpus or schedule are not this plan's.
+    if (earlier.get("corpus"), earlier.get("final_rate")) != (
+        text.describe(),
+        train.FINAL_RATE,
+    ):
         return {}
     found = dict(earlier.get("speed", {}))
     for r in earlier["runs"]:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 from linear_attention import cases
 from linear_attention import decode
-from linear_attention_recall.train import Warmup
+from linear_attention_recall.train import WARMUP_STEPS
 
 import keras
 from linear_attention_lm import corpus
@@ -16,6 +16,8 @@ from linear_attention_lm import models
 
 WEIGHT_DECAY = 0.1
 CLIP_NORM = 1.0
+# The rate decays to this fraction of its peak at a run's last step.
+FINAL_RATE = 0.1
 # Train steps per compiled call, so that the trainer's Python work per step
 # is paid once per call (PyTorch's trainer takes one step per call).
 STEPS_PER_EXECUTION = 10
@@ -24,12 +26,33 @@ BUCKETS = (0, 64, 256, 1024)
 INPUTS = ("tokens", "segment_ids", "positions")
 
 
-def _model(name, length, learning_rate, eval_every):
+class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """A linear warmup over `WARMUP_STEPS`, then a cosine decay to
+    `FINAL_RATE` of the peak at step `steps`: the end of a run is not
+    the noise of a constant rate."""
+
+    def __init__(self, learning_rate, steps):
+        self.learning_rate = learning_rate
+        self.steps = steps
+
+    def __call__(self, step):
+        step = keras.ops.cast(step, "float32")
+        warmup = keras.ops.minimum((step + 1) / WARMUP_STEPS, 1.0)
+        done = keras.ops.minimum(step / max(self.steps, 1), 1.0)
+        cosine = 0.5 * (1 + keras.ops.cos(math.pi * done))
+        decay = FINAL_RATE + (1 - FINAL_RATE) * cosine
+        return self.learning_rate * warmup * decay
+
+    def get_config(self):
+        return {"learning_rate": self.learning_rate, "steps": self.steps}
+
+
+def _model(name, length, learning_rate, eval_every, steps):
     """The compiled model of `name`, and its attention layers."""
     model, layers = models.model(name, length)
     model.compile(
         optimizer=keras.optimizers.AdamW(
-            Warmup(learning_rate),
+            WarmupCosine(learning_rate, steps),
             weight_decay=WEIGHT_DECAY,
             global_clipnorm=CLIP_NORM,
         ),
@@ -77,7 +100,7 @@ def train(
     """
     keras.utils.set_random_seed(seed)
     batch = max(1, tokens_per_step // length)
-    model, layers = _model(name, length, learning_rate, eval_every)
+    model, layers = _model(name, length, learning_rate, eval_every, steps)
     held_out = corpus.held_out_rows(text, length, rows)
     history = [(0, evaluate(model, held_out, batch)["bits_per_byte"])]
     done = 0
@@ -149,7 +172,7 @@ def speed(name, text, length, tokens_per_step, repeats):
     """
     keras.utils.set_random_seed(0)
     batch = max(1, tokens_per_step // length)
-    model, _ = _model(name, length, 1e-3, STEPS_PER_EXECUTION)
+    model, _ = _model(name, length, 1e-3, STEPS_PER_EXECUTION, 1000)
     blocks = []
     for block in range(repeats + 1):
         start = time.perf_counter()
