@@ -1877,6 +1877,33 @@ class LinearAttentionRobustnessTest(testing.TestCase):
 
     # Compiled and exported execution.
 
+    @parameterized.named_parameters(
+        ("auto", {}),
+        ("recurrent", {"execution_mode": "recurrent"}),
+        ("hybrid", {"execution_mode": "recurrent", "local_window": 2}),
+    )
+    def test_graph_traced_for_any_length(self, kwargs):
+        # `model.export()` traces with a sample length of 1, and the graph
+        # must be right at every length.
+        layer = make_layer(causal=True, **kwargs)
+        x = random_inputs((BATCH, 9, INPUT_DIM))
+        if backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            spec = tf.TensorSpec((None, None, INPUT_DIM))
+            graph = tf.function(layer, input_signature=[spec])
+        elif backend.backend() == "torch":
+            import torch
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                graph = torch.jit.trace(layer, ops.convert_to_tensor(x[:, :1]))
+        else:
+            self.skipTest("Traced only on TensorFlow and PyTorch.")
+        for length in (1, 9):
+            piece = ops.convert_to_tensor(x[:, :length])
+            assert_close(graph(piece), layer(piece), FLOAT32_RTOL)
+
     def test_export_with_dynamic_shapes(self):
         # Symbolic sizes reach the zero state (the batch) and the padding to
         # whole chunks (the length): neither is an integer nor a tensor.

@@ -2,7 +2,6 @@ import doctest
 import inspect
 import json
 import os
-import warnings
 
 import numpy as np
 from absl.testing import parameterized
@@ -66,6 +65,9 @@ CONFIGS = {
     },
 }
 
+# A window shorter than the convolution's reach, with learned decay.
+HYBRID_DECAY = {"local_window": 3, "decay": "learned"}
+
 # OpenVINO unrolls the recurrent scan, whose hybrid step then compiles for
 # tens of seconds at LENGTH, so there only single tokens check the step
 # (test_full_chunked_and_token_by_token_agree).
@@ -100,11 +102,7 @@ CAUSAL_CASES = [
         "grouped_random_fourier",
         {"local_window": 5, "decay": "learned"},
     ),
-    (
-        "hybrid_3_decay_conv",
-        "grouped_conv",
-        {"local_window": 3, "decay": "learned"},
-    ),
+    ("hybrid_3_decay_conv", "grouped_conv", HYBRID_DECAY),
 ]
 
 
@@ -870,33 +868,6 @@ class LinearAttentionTest(testing.TestCase):
             layer.execution_mode = mode
             self.assertClose(layer(x), expected, msg=mode)
 
-    @parameterized.named_parameters(
-        ("auto", {}),
-        ("recurrent", {"execution_mode": "recurrent"}),
-        ("hybrid", {"execution_mode": "recurrent", "local_window": 2}),
-    )
-    def test_graph_traced_for_any_length(self, kwargs):
-        # `model.export()` traces with a sample length of 1, and the graph
-        # must be right at every length.
-        layer = _layer(causal=True, **kwargs)
-        x = _inputs((BATCH, 9, INPUT_DIM))
-        if backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            spec = tf.TensorSpec((None, None, INPUT_DIM))
-            graph = tf.function(layer, input_signature=[spec])
-        elif backend.backend() == "torch":
-            import torch
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                graph = torch.jit.trace(layer, ops.convert_to_tensor(x[:, :1]))
-        else:
-            self.skipTest("Traced only on TensorFlow and PyTorch.")
-        for length in (1, 9):
-            piece = ops.convert_to_tensor(x[:, :length])
-            self.assertClose(graph(piece), layer(piece))
-
     # Masks.
 
     @parameterized.named_parameters(
@@ -926,12 +897,7 @@ class LinearAttentionTest(testing.TestCase):
         ("conv_non_causal", "grouped_conv", False, {}),
         ("hybrid", "favor_plus", True, {"local_window": 5}),
         ("hybrid_non_causal", "grouped", False, {"local_window": 3}),
-        (
-            "hybrid_decay_conv",
-            "grouped_conv",
-            True,
-            {"local_window": 3, "decay": "learned"},
-        ),
+        ("hybrid_decay_conv", "grouped_conv", True, HYBRID_DECAY),
     )
     def test_masked_steps_are_not_there(self, config, causal, kwargs):
         # The convolution and the window read the unmasked steps only: a
@@ -950,12 +916,7 @@ class LinearAttentionTest(testing.TestCase):
         ("conv", "grouped_conv", True, {}),
         ("conv_non_causal", "grouped_conv", False, {}),
         ("hybrid_non_causal", "grouped", False, {"local_window": 3}),
-        (
-            "hybrid_decay_conv",
-            "grouped_conv",
-            True,
-            {"local_window": 3, "decay": "learned"},
-        ),
+        ("hybrid_decay_conv", "grouped_conv", True, HYBRID_DECAY),
     )
     def test_segment_ids(self, config, causal, kwargs):
         # Each document of a packed row (here with padding and a masked
