@@ -6,9 +6,7 @@ import json
 import os
 import time
 
-from linear_attention.cli import machine
 from linear_attention.cli import positive_int
-from linear_attention.cli import versions
 
 from linear_attention_lm import models
 
@@ -72,37 +70,22 @@ def run(args):
     best again with the next seed and at the other lengths; times each
     configuration's layer at each length it ran; writes the results."""
     # Imported here: importing Keras starts the backend, after argparse.
+    from linear_attention_recall.cli import configurations
     from linear_attention_recall.report import write_json
     from linear_attention_recall.train import WARMUP_STEPS
 
-    import keras
     from linear_attention_lm import corpus
     from linear_attention_lm import report
     from linear_attention_lm import train
 
-    backend = keras.backend.backend()
     plan = _plan(args)
     text = corpus.Corpus(args.corpus)
-    names = list(args.configs or (models.QUICK_CONFIGS if args.quick else ()))
-    names = names or list(models.CONFIGS)
     start = time.time()
-    skipped = {}
-    for name in names:
-        reason = models.unavailable(name)
-        if reason:
-            print(f"skipping {name}: {reason}", flush=True)
-            skipped[name] = reason
-    kind = "quick" if args.quick else "full"
-    if args.steps or args.lengths or args.configs or args.learning_rates:
-        kind += ", custom"
+    custom = args.steps or args.lengths or args.configs or args.learning_rates
+    names, skipped, header = configurations(args, models, custom)
     results = {
-        "backend": backend,
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "run": kind,
-        "machine": machine(),
-        "versions": versions(keras),
+        **header,
         "corpus": text.describe(),
-        "seed": args.seed,
         "lengths": list(plan["lengths"]),
         "steps": plan["steps"],
         "tokens_per_step": plan["tokens_per_step"],
@@ -128,7 +111,7 @@ def run(args):
         "speed": {},
     }
     names = [name for name in names if name not in skipped]
-    earlier = _earlier(args, backend, plan, text) if args.resume else {}
+    earlier = _earlier(args, results) if args.resume else {}
 
     def one(name, length, learning_rate, seed):
         key = (name, length, learning_rate, seed)
@@ -188,29 +171,23 @@ def run(args):
     report.write(results, args.out)
 
 
-def _earlier(args, backend, plan, text):
-    """The runs and speeds in `<out>/<backend>.json` of this plan and
-    corpus, by `(config, length, learning_rate, seed)` and by
+def _earlier(args, results):
+    """The runs and speeds in `<out>/<backend>.json` of this plan, corpus
+    and schedule, by `(config, length, learning_rate, seed)` and by
     `config@length`."""
-    path = os.path.join(args.out, backend + ".json")
+    path = os.path.join(args.out, results["backend"] + ".json")
     if not os.path.exists(path):
         return {}
     with open(path) as file:
         earlier = json.load(file)
-    from linear_attention_lm import train
-
-    # Runs of another corpus or schedule are not this plan's.
-    if (earlier.get("corpus"), earlier.get("final_rate")) != (
-        text.describe(),
-        train.FINAL_RATE,
+    if any(
+        earlier.get(key) != results[key]
+        for key in ("corpus", "final_rate", "tokens_per_step", "eval_every")
     ):
         return {}
     found = dict(earlier.get("speed", {}))
     for r in earlier["runs"]:
-        if (
-            r["max_steps"] == plan["steps"]
-            and r["eval_every"] == (plan["eval_every"])
-        ):
+        if r["max_steps"] == results["steps"]:
             found[r["config"], r["length"], r["learning_rate"], r["seed"]] = r
     return found
 

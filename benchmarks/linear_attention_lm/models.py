@@ -4,6 +4,7 @@ layer (and how positions enter) differs."""
 import math
 
 import keras
+from keras.src.layers.attention.linear_attention_core import short_convolution
 from linear_attention_lm import corpus
 
 WIDTH = 128
@@ -62,19 +63,14 @@ def describe(name):
 
 
 def causal_convolution(x, kernel, segment_ids):
-    """`y_t = sum_j kernel_j x_(t - width + 1 + j)` over `x` `(batch, time,
-    heads, size)`, reading only steps of the same segment."""
-    width, length = kernel.shape[0], x.shape[1]
-    outputs = 0
-    for j in range(width):
-        shift = width - 1 - j
-        earlier = keras.ops.pad(x, [(0, 0), (shift, 0), (0, 0), (0, 0)])
-        ids = keras.ops.pad(
-            segment_ids, [(0, 0), (shift, 0)], constant_values=-1
-        )
-        same = keras.ops.cast(ids[:, :length] == segment_ids, x.dtype)
-        outputs += kernel[j] * earlier[:, :length] * same[:, :, None, None]
-    return outputs
+    """`LinearAttention`'s causal short convolution (`conv_kernel_size`)
+    of `x` `(batch, time, heads, size)`, inside each segment."""
+    ids = keras.ops.cast(segment_ids, "float32")
+    # The documents started so far, as the layer counts them.
+    new = keras.ops.cast(ids[:, 1:] != ids[:, :-1], x.dtype)
+    documents = keras.ops.cumsum(keras.ops.pad(new, [(0, 0), (1, 0)]), axis=1)
+    before = keras.ops.zeros_like(x[:, : kernel.shape[0] - 1])
+    return short_convolution(x, kernel, before, documents)[0]
 
 
 def rotate(x, positions):

@@ -75,31 +75,16 @@ def run(args):
     """Trains every configuration at every rate, the best again with a
     second seed, times them, then writes the results."""
     # Imported here: importing Keras starts the backend, after argparse.
-    import keras
     from linear_attention_recall import report
     from linear_attention_recall import train
 
-    backend = keras.backend.backend()
     plan = _plan(args)
-    names = list(args.configs or (models.QUICK_CONFIGS if args.quick else ()))
-    names = names or list(models.CONFIGS)
     start = time.time()
-    skipped = {}
-    for name in names:
-        reason = models.unavailable(name)
-        if reason:
-            print(f"skipping {name}: {reason}", flush=True)
-            skipped[name] = reason
-    kind = "quick" if args.quick else "full"
-    if args.steps or args.pairs or args.configs or args.learning_rates:
-        kind += ", custom"
+    custom = args.steps or args.pairs or args.configs or args.learning_rates
+    names, skipped, header = configurations(args, models, custom)
+    backend = header["backend"]
     results = {
-        "backend": backend,
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "run": kind,
-        "machine": machine(),
-        "versions": versions(keras),
-        "seed": args.seed,
+        **header,
         "learning_rates": list(plan["learning_rates"]),
         "second_seed_top": plan["second_seed_top"],
         "batch": train.BATCH,
@@ -165,6 +150,33 @@ def run(args):
         )
     results["seconds"] = round(time.time() - start, 1)
     report.write(results, args.out)
+
+
+def configurations(args, models, custom):
+    """The configurations of this run (`--configs`, or the `models`
+    module's quick or full list), those that this Keras cannot build (by
+    name, with why; printed), and the results' first fields. `custom`:
+    whether the command line changed the plan."""
+    import keras
+
+    names = list(args.configs or (models.QUICK_CONFIGS if args.quick else ()))
+    names = names or list(models.CONFIGS)
+    skipped = {}
+    for name in names:
+        reason = models.unavailable(name)
+        if reason:
+            print(f"skipping {name}: {reason}", flush=True)
+            skipped[name] = reason
+    header = {
+        "backend": keras.backend.backend(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "run": ("quick" if args.quick else "full")
+        + (", custom" * bool(custom)),
+        "machine": machine(),
+        "versions": versions(keras),
+        "seed": args.seed,
+    }
+    return names, skipped, header
 
 
 def _earlier_runs(args, backend, plan):
