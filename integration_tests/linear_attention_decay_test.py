@@ -31,6 +31,7 @@ from linear_attention_reference import layer_gradients
 from linear_attention_reference import make_layer
 from linear_attention_reference import masked_hybrid_state
 from linear_attention_reference import np_project
+from linear_attention_reference import np_reference
 from linear_attention_reference import np_weights
 from linear_attention_reference import random_inputs
 
@@ -68,6 +69,8 @@ LONG_STREAM_LENGTH = 100_000
 # Each OpenVINO call compiles a new model for seconds, so the stream there
 # comes in fewer, longer pieces.
 LONG_STREAM_PIECES = 4 if backend.backend() == "openvino" else 20
+# Several thousand steps, past many chunks, for the input-dependent gates.
+DRIVEN_GATES_LENGTH = 4100
 # The sequence of the mixed-precision checks: 256 chunks of 64 steps.
 HALF_PRECISION_LENGTH = 16384
 
@@ -299,6 +302,36 @@ class LinearAttentionDecayTest(testing.TestCase):
         self.assertTrue(np.all(full > 10 * decayed_bound), (full, half))
         # float16's largest value: an undecayed state there would overflow.
         self.assertGreater(np.max(full), 65504.0)
+
+    def test_input_dependent_gates_driven_to_both_ends(self):
+        # Gates near 0 for a thousand steps, near 1 for the next thousand,
+        # then swinging at random: one chunkwise call, and pieces carrying
+        # the state (one of a single token), against the float64
+        # recurrence, with finite outputs and states.
+        layer = make_layer(causal=True, decay="input_dependent")
+        kernel = np.zeros(tuple(layer.decay_kernel.shape))
+        kernel[:, 0] = 30.0
+        layer.decay_kernel.assign(kernel)
+        layer.decay_logit.assign(np.zeros(layer.num_key_value_heads))
+        # Inputs along `shift` move every head's first key entry by one.
+        first_key = np_weights(layer)["key/kernel"][:, :, 0]
+        shift = np.linalg.pinv(first_key.T) @ np.ones(first_key.shape[1])
+        x = random_inputs((1, DRIVEN_GATES_LENGTH, INPUT_DIM))
+        x[:, :1000] -= 4.0 * shift
+        x[:, 1000:2000] += 4.0 * shift
+        expected, expected_state = np_reference(layer, x)
+        call = _runner(layer)
+        y, state = call(x, return_state=True)
+        _assert_finite((y,) + tuple(state))
+        assert_close(y, expected, FLOAT32_STATE_RTOL)
+        for actual, exact in zip(state, expected_state):
+            assert_close(actual, exact, FLOAT32_STATE_RTOL)
+        streamed, state = [], layer.get_initial_state(1)
+        for start, stop in ((0, 999), (999, 1000), (1000, None)):
+            piece = x[:, start:stop]
+            y, state = call(piece, initial_state=state, return_state=True)
+            streamed.append(backend.convert_to_numpy(y))
+        assert_close(np.concatenate(streamed, 1), expected, FLOAT32_STATE_RTOL)
 
     # Generation.
 

@@ -65,10 +65,11 @@ CONFIGS = {
         "feature_map": "favor_plus",
         "num_features": 16,
     },
-    "hedgehog_grouped": {
+    "hedgehog_grouped_gated": {
         "causal": True,
         "feature_map": "hedgehog",
         "num_key_value_heads": 2,
+        "decay": "input_dependent",
     },
     "random_fourier_local_window_non_causal": {
         "feature_map": "random_fourier",
@@ -84,10 +85,10 @@ CONFIGS = {
     },
     "masked_non_causal_conv": {"masked": True, "conv_kernel_size": 4},
     # `packed`: `segment_ids` as a second input.
-    "packed_local_window_decay_conv": {
+    "packed_local_window_gated_conv": {
         "causal": True,
         "local_window": 5,
-        "decay": 0.9,
+        "decay": "input_dependent",
         "conv_kernel_size": 3,
         "packed": True,
     },
@@ -152,6 +153,12 @@ def _model(config):
     model = keras.Model(inputs, head(attention(x, **call_kwargs)))
     # `model.export()` takes only models that have been called.
     model(_inputs(masked, 1, 3, packed=packed))
+    if attention.decay == "input_dependent":
+        # Gates that differ from step to step (they start equal).
+        rng = np.random.default_rng(1)
+        attention.decay_kernel.assign(
+            rng.normal(size=(attention.num_key_value_heads, 8))
+        )
     return model, attention, head, masked
 
 

@@ -94,10 +94,13 @@ def make_layer(config=None, build=True, **kwargs):
             # Bandwidths other than 1 and per key/value head, so that a
             # missing or misassigned bandwidth shows.
             shift(feature_map.log_bandwidth, -0.5, 0.5, seed=5)
-        if layer.decay == "learned":
+        if layer.decay in ("learned", "input_dependent"):
             # Away from the RetNet start (gamma near 1), so that a wrong
             # mapping from `decay_logit` to gamma shows.
             shift(layer.decay_logit, -2.5, -1.0, seed=6)
+        if layer.decay == "input_dependent":
+            # Gates that differ from step to step.
+            shift(layer.decay_kernel, -0.5, 0.5, seed=7)
     return layer
 
 
@@ -192,16 +195,24 @@ def np_feature(
     return np.exp(exponent) / np.sqrt(projection.shape[1])
 
 
-def np_decay(layer, weights):
-    """gamma per key/value head in float64 (ones without decay)."""
+def np_log_gates(layer, weights, key):
+    """log(gamma) per step and key/value head of the projected keys
+    `(batch, time, kv_heads, key_dim)`, in float64 (zeros without decay)."""
     heads = layer.num_key_value_heads
-    if layer.decay is None:
-        return np.ones(heads)
-    if layer.decay == "learned":
-        return 1.0 / (1.0 + np.exp(-weights["decay_logit"]))
-    if layer.decay == "retnet":
-        return 1.0 - 2.0 ** (-5.0 - np.arange(heads))
-    return np.broadcast_to(np.asarray(layer.decay, "float64"), (heads,))
+    log_gamma = np.zeros(heads)
+    if layer.decay in ("learned", "input_dependent"):
+        logit = weights["decay_logit"]
+        if layer.decay == "input_dependent":
+            logit = logit + np.einsum(
+                "bthd,hd->bth", key, weights["decay_kernel"]
+            )
+        # log(sigmoid(logit)), finite for gates driven to 0.
+        log_gamma = -np.logaddexp(0.0, -logit)
+    elif layer.decay == "retnet":
+        log_gamma = np.log1p(-(2.0 ** (-5.0 - np.arange(heads))))
+    elif layer.decay is not None:
+        log_gamma = np.log(np.asarray(layer.decay, "float64"))
+    return np.broadcast_to(log_gamma, key.shape[:3])
 
 
 def np_normalize(layer, numerator, denominator):
@@ -226,7 +237,8 @@ def np_reference(layer, x, mask=None, initial_state=None, feature=None):
         return np_feature(layer, w, y, is_query)
 
     query = phi(np_project(layer, w, x, "query"), True)
-    key = phi(np_project(layer, w, x, "key"), False)
+    projected_key = np_project(layer, w, x, "key")
+    key = phi(projected_key, False)
     value = np_project(layer, w, x, "value")
     # Query head i attends with key/value head i // group.
     group = layer.num_heads // layer.num_key_value_heads
@@ -249,8 +261,9 @@ def np_reference(layer, x, mask=None, initial_state=None, feature=None):
             s_t = np.repeat(initial_state[0], group, 1)
             if layer.use_normalizer:
                 z_t = np.repeat(initial_state[1], group, 1)
+        log_gates = np_log_gates(layer, w, projected_key)
         gamma = np.where(
-            valid[..., None], np.repeat(np_decay(layer, w), group), 1
+            valid[..., None], np.exp(np.repeat(log_gates, group, 2)), 1
         )
         s, z = [], []
         for t in range(x.shape[1]):
@@ -334,23 +347,20 @@ def np_hybrid_reference(layer, x, mask=None, initial_state=None):
 
     # Query head i attends with key/value head i // group.
     group = layer.num_heads // layer.num_key_value_heads
-    # With decay, the far part of query t weighs key j by gamma^(unmasked
-    # steps in (j, t]), and the far state carried in by gamma^(unmasked
-    # steps up to t): the plain layer's decayed sum, restricted to the far
-    # keys. `seen[:, i]`: unmasked steps before key i.
-    log_decay = np.log(np_decay(layer, w))
-    seen = np.concatenate([np.zeros((batch, 1)), np.cumsum(valid, 1)], 1)
-    seen_by_query = seen[:, carried + 1 :]
+    # With decay, the far part of query t weighs key j by the product of
+    # the gates of the unmasked steps in (j, t], and the far state carried
+    # in by those up to t: the plain layer's decayed sum, restricted to the
+    # far keys. `gated[:, i]`: the sum of the log-gates before key i.
+    log_gates = np_log_gates(layer, w, key) * valid[..., None]
+    gated = np.concatenate(
+        [np.zeros((batch, 1, key.shape[2])), np.cumsum(log_gates, 1)], 1
+    )
+    by_head = np.repeat(gated, group, 2).transpose(0, 2, 1)
+    by_query = by_head[:, :, carried + 1 :]
     far_decay = np.exp(
-        np.repeat(log_decay, group)[:, None, None]
-        * np.maximum(
-            seen_by_query[:, None, :, None] - seen[:, None, None, 1:], 0
-        )
+        np.minimum(by_query[..., None] - by_head[:, :, None, 1:], 0)
     )
-    state_decay = np.exp(
-        np.repeat(log_decay, group)[:, None]
-        * (seen_by_query - seen[:, carried : carried + 1])[:, None]
-    )
+    state_decay = np.exp(by_query - by_head[:, :, carried : carried + 1])
 
     def heads(y):
         return np.repeat(y, group, axis=2)
@@ -399,12 +409,10 @@ def np_hybrid_reference(layer, x, mask=None, initial_state=None):
     # Every key but the last `window` has left the window, decayed by the
     # unmasked steps after it, and the far state carried in by those of the
     # inputs.
-    after = seen[:, -1:] - seen[:, 1:]
+    after = gated[:, -1:] - gated[:, 1:]
     left = key_features[:, :-window] * valid[:, :-window, None, None]
-    left = left * np.exp(log_decay * after[:, :-window, None])[..., None]
-    carried_decay = np.exp(
-        log_decay * (seen[:, -1:] - seen[:, carried : carried + 1])
-    )
+    left = left * np.exp(after[:, :-window])[..., None]
+    carried_decay = np.exp(gated[:, -1] - gated[:, carried])
     state = (
         far_kv[:, ::group] * carried_decay[..., None, None]
         + np.einsum("bjhf,bjhe->bhfe", left, value[:, :-window]),

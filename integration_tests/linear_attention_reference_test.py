@@ -127,6 +127,12 @@ class LinearAttentionReferenceTest(testing.TestCase):
             "grouped_random_fourier",
             {"decay": "learned"},
         ),
+        ("input_dependent", None, {"decay": "input_dependent"}),
+        (
+            "input_dependent_grouped_hedgehog",
+            "grouped_hedgehog",
+            {"decay": "input_dependent"},
+        ),
     )
     def test_decay_matches_reference(self, config, kwargs):
         # Left padding and holes, which neither add to the state nor decay
@@ -352,6 +358,13 @@ class LinearAttentionReferenceTest(testing.TestCase):
             20,
             True,
             {"decay": "learned"},
+        ),
+        (
+            "causal_window_5_decay_input_dependent_grouped",
+            "grouped",
+            5,
+            True,
+            {"decay": "input_dependent"},
         ),
         (
             "causal_window_64_decay_per_head_grouped_random_fourier",

@@ -20,7 +20,11 @@ VARIANTS = {
 HYBRIDS = {"hybrid_64": 64, "hybrid_512": 512}
 # LinearAttention with a decaying state (`decay`), which needs `causal=True`;
 # "auto", causal, at every length, as the plain layer they are compared to.
-DECAYS = {"decay_retnet": "retnet", "decay_learned": "learned"}
+DECAYS = {
+    "decay_retnet": "retnet",
+    "decay_learned": "learned",
+    "decay_input": "input_dependent",
+}
 TIME_KINDS = (
     "auto",
     "parallel",

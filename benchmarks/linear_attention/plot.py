@@ -14,6 +14,7 @@ TIME_STYLES = (
     ("random_fourier", "x-"),
     ("decay_retnet", "P-"),
     ("decay_learned", "X-"),
+    ("decay_input", "*-"),
     ("mha", "^-"),
     ("floor", "k--"),
     ("auto_compiled", "o--"),
@@ -28,6 +29,7 @@ DECODE_LABELS = (
     ("random_fourier", "random_fourier"),
     ("decay_retnet", 'decay_retnet (decay="retnet")'),
     ("decay_learned", 'decay_learned (decay="learned")'),
+    ("decay_input", 'decay_input (decay="input_dependent")'),
     ("mha", "MHA (KV cache)"),
 )
 MEMORY_LABELS = (

@@ -52,8 +52,9 @@ def markdown(results):
         '(128 features), all `execution_mode="parallel"`; `hybrid_64`, '
         "`hybrid_512`: with `local_window` 64 or 512 (exact softmax over "
         "the last W positions, linear attention beyond), causal only; "
-        '`decay_retnet`, `decay_learned`: with `decay="retnet"` or '
-        '`"learned"` (a decaying state), causal only; '
+        "`decay_retnet`, `decay_learned`, `decay_input`: with "
+        '`decay="retnet"`, `"learned"` or `"input_dependent"` (a decaying '
+        "state), causal only; "
         "`mha`: MultiHeadAttention; `floor`: the four projections alone; "
         "`*_compiled` (PyTorch): the same under `torch.compile`. "
         "MultiHeadAttention is timed after the other kinds at each length.",

@@ -36,6 +36,7 @@ CONFIGS = {
     "hedgehog_conv": {"feature_map": "hedgehog", **_CONV},
     "hybrid_conv": {"local_window": LOCAL_WINDOW, **_CONV},
     "decay_conv": {"decay": "learned", **_CONV},
+    "decay_input_conv": {"decay": "input_dependent", **_CONV},
     "grouped_conv": {"num_key_value_heads": 2, **_CONV},
 }
 QUICK_CONFIGS = ("mha", "linear_conv")

@@ -140,7 +140,7 @@ def run(args):
         for run in best[: plan["second_seed_top"]]:
             one(run["config"], pairs, run["learning_rate"], args.seed + 1)
     for name in names:
-        results["forward_ms"][name] = train.forward_ms(
+        results["forward_ms"][name] = earlier.get(name) or train.forward_ms(
             name, plan["forward_length"], plan["forward_repeats"]
         )
         print(
@@ -181,18 +181,23 @@ def configurations(args, models, custom):
 
 def _earlier_runs(args, backend, plan):
     """The runs in `<out>/<backend>.json` with this plan's caps, by
-    `(config, pairs, learning_rate, seed)`."""
+    `(config, pairs, learning_rate, seed)`, and its forward times at this
+    plan's length, by config."""
     path = os.path.join(args.out, backend + ".json")
     if not os.path.exists(path):
         return {}
     with open(path) as file:
-        runs = json.load(file)["runs"]
-    return {
-        (r["config"], r["pairs"], r["learning_rate"], r["seed"]): r
-        for r in runs
-        if r.get("max_steps") == plan["steps"].get(r["pairs"])
-        and r.get("eval_every") == plan["eval_every"]
-    }
+        earlier = json.load(file)
+    found = {}
+    if earlier.get("forward_length") == plan["forward_length"]:
+        found.update(earlier.get("forward_ms", {}))
+    for r in earlier["runs"]:
+        if (
+            r.get("max_steps") == plan["steps"].get(r["pairs"])
+            and r.get("eval_every") == plan["eval_every"]
+        ):
+            found[r["config"], r["pairs"], r["learning_rate"], r["seed"]] = r
+    return found
 
 
 def _parser():
@@ -243,7 +248,8 @@ def _parser():
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs of this plan already in the output's JSON",
+        help="keep the runs and forward times of this plan already in the "
+        "output's JSON",
     )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--seed", type=int, default=0)

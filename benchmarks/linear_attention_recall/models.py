@@ -42,6 +42,7 @@ CONFIGS = {
     "taylor": {"feature_map": "taylor"},
     "local_window": {"local_window": LOCAL_WINDOW},
     "decay_learned": {"decay": "learned"},
+    "decay_input": {"decay": "input_dependent"},
     "grouped": {"num_key_value_heads": 1},
     "hedgehog_local": {"feature_map": "hedgehog", "local_window": LOCAL_WINDOW},
 }

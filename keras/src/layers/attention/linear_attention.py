@@ -21,7 +21,7 @@ from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
 from keras.src.saving import serialization_lib
 
-_DECAY_SCHEDULES = ("retnet", "learned")
+_DECAY_SCHEDULES = ("retnet", "learned", "input_dependent")
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 # The state's elements of the short convolution: its last inputs.
@@ -91,7 +91,9 @@ class LinearAttention(Layer):
             head, which starts on the window's scale for the feature map.
         decay: Causal layers only: the state's forgetting factor per step,
             a float in (0, 1], a list of one per key/value head, `"retnet"`
-            (`1 - 2^(-5 - h)` for head `h`) or `"learned"`.
+            (`1 - 2^(-5 - h)` for head `h`), `"learned"` (a trainable one per
+            head) or `"input_dependent"` (a gate per step and head read
+            from its key; both start at RetNet's decays).
         conv_kernel_size: Optional integer `K >= 2`: a depthwise
             convolution of width `K` over time on the projected queries,
             keys and values, before the feature map (causal for causal
@@ -332,12 +334,20 @@ class LinearAttention(Layer):
         self._conv_kernels = None
         if self.conv_kernel_size is not None:
             self._conv_kernels = self._add_conv_kernels()
-        if self.decay == "learned":
+        if self.decay in ("learned", "input_dependent"):
             # gamma = sigmoid(decay_logit) stays in (0, 1).
             self.decay_logit = self.add_weight(
                 name="decay_logit",
                 shape=(kv_heads,),
                 initializer=_retnet_decay_logits,
+                autocast=False,
+            )
+        if self.decay == "input_dependent":
+            # Zeros: a fresh layer forgets as `"learned"` does.
+            self.decay_kernel = self.add_weight(
+                name="decay_kernel",
+                shape=(kv_heads, self.key_dim),
+                initializer="zeros",
                 autocast=False,
             )
         self._dropout_layer = None
@@ -634,6 +644,7 @@ class LinearAttention(Layer):
     ):
         """The plain layer: feature maps, then linear attention."""
         query = self._features(query, order, self.use_normalizer)[0]
+        log_gates = self._log_gates(valid, key)
         # Masked after the feature map, which is not zero at zero.
         key = _masked(self._features(key, order)[0], valid)
         if not self.causal:
@@ -652,7 +663,7 @@ class LinearAttention(Layer):
             key,
             value,
             state,
-            self._log_gates(valid, ops.shape(key)[:2]),
+            log_gates,
             self._readout,
             self._use_recurrent(query),
             self._chunk_size,
@@ -710,7 +721,7 @@ class LinearAttention(Layer):
             state[:2],
             self._readout,
             self.local_window,
-            self._log_gates(valids, ops.shape(valids)),
+            self._log_gates(valids, ops.swapaxes(keys, 1, 2)),
             causal_mode=self.causal,
             recurrent_mode=self.causal and self._use_recurrent(query),
             chunk=self._chunk_size,
@@ -729,24 +740,27 @@ class LinearAttention(Layer):
             return length == 1
         return self.execution_mode == "recurrent"
 
-    def _log_gates(self, valid, shape):
-        """`log(gamma)` per step and key/value head, 0 at masked steps;
-        `None` without decay."""
+    def _log_gates(self, valid, key):
+        """`log(gamma)` per step and key/value head of the keys `(batch,
+        time, heads, key_dim)`, 0 at masked steps; `None` without decay."""
         if self.decay is None:
             return None
         dtype = self.accumulator_dtype
-        if self.decay == "learned":
+        if self.decay in ("learned", "input_dependent"):
+            logit = ops.cast(self.decay_logit, dtype)
+            if self.decay == "input_dependent":
+                kernel = ops.cast(self.decay_kernel, dtype)
+                logit = logit + ops.sum(key * kernel, axis=-1)
             # log(sigmoid(logit)), which stays finite for large logits.
-            log_decay = -ops.softplus(-ops.cast(self.decay_logit, dtype))
+            log_decay = -ops.softplus(-logit)
         else:
             gamma = self.decay
             if self.decay == "retnet":
                 gamma = _retnet_decays(self.num_key_value_heads)
             log_decay = ops.convert_to_tensor(np.log(gamma), dtype)
-        gates = ops.broadcast_to(
-            log_decay, tuple(shape) + (self.num_key_value_heads,)
-        )
-        return _masked(gates, valid)
+        if self.decay != "input_dependent":
+            log_decay = ops.broadcast_to(log_decay, tuple(ops.shape(key)[:3]))
+        return _masked(log_decay, valid)
 
     def _check_streaming(self, received):
         """Refuses a state where the layer has none to carry; `received`
@@ -1093,8 +1107,8 @@ def _check_decay(decay, num_key_value_heads):
         raise ValueError(
             "`decay` must be `None`, a float in (0, 1], a list of "
             f"num_key_value_heads={num_key_value_heads} such floats (one per "
-            "key/value head), 'retnet' or 'learned'. Received: "
-            f"decay={decay!r}"
+            "key/value head), 'retnet', 'learned' or 'input_dependent'. "
+            f"Received: decay={decay!r}"
         )
     values = [float(g) for g in values]
     return values if is_list else values[0]

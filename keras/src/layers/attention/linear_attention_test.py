@@ -65,8 +65,8 @@ CONFIGS = {
     },
 }
 
-# A window shorter than the convolution's reach, with learned decay.
-HYBRID_DECAY = {"local_window": 3, "decay": "learned"}
+# A window shorter than the convolution's reach, with gates from the input.
+HYBRID_DECAY = {"local_window": 3, "decay": "input_dependent"}
 
 # OpenVINO unrolls the recurrent scan, whose hybrid step then compiles for
 # tens of seconds at LENGTH, so there only single tokens check the step
@@ -94,6 +94,7 @@ CAUSAL_CASES = [
     ("grouped_conv", "grouped_conv", {}),
     ("decay", None, {"decay": 0.9}),
     ("decay_learned_fourier", "grouped_random_fourier", {"decay": "learned"}),
+    ("decay_input_grouped_conv", "grouped_conv", {"decay": "input_dependent"}),
     ("hybrid_1_favor_plus", "favor_plus", {"local_window": 1}),
     ("hybrid_20_grouped_hedgehog", "grouped_hedgehog", {"local_window": 20}),
     ("hybrid_100_grouped", "grouped", {"local_window": 100}),
@@ -157,8 +158,10 @@ def _layer(config=None, build=True, **kwargs):
             _shift(layer.feature_map_layer.kernel, -1.0, 1.0, seed=4)
         if layer.feature_map == "random_fourier":
             _shift(layer.feature_map_layer.log_bandwidth, -0.5, 0.5, seed=5)
-        if layer.decay == "learned":
+        if layer.decay in ("learned", "input_dependent"):
             _shift(layer.decay_logit, -2.5, -1.0, seed=6)
+        if layer.decay == "input_dependent":
+            _shift(layer.decay_kernel, -0.5, 0.5, seed=7)
         if layer.local_window:
             rng = np.random.RandomState(2)
             layer.far_log_scale.assign(rng.uniform(-1, 1, layer.num_heads))
@@ -242,13 +245,19 @@ def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
                 t = np.repeat(_np(given[name]), group, 1)
                 s, z = (t, z) if name == "key_value_state" else (s, t)
         gamma = np.ones(layer.num_key_value_heads)
-        if layer.decay == "learned":
-            gamma = 1.0 / (1.0 + np.exp(-w["decay_logit"]))
+        if layer.decay in ("learned", "input_dependent"):
+            logit = w["decay_logit"]
+            if layer.decay == "input_dependent":
+                gate = np.einsum(
+                    "bthd,hd->bth", project("key"), w["decay_kernel"]
+                )
+                logit = logit + gate
+            gamma = 1.0 / (1.0 + np.exp(-logit))
         elif layer.decay is not None:
             gamma = gamma * np.asarray(layer.decay, "float64")
-        # S_t = gamma^m_t S_(t-1) + phi(k_t)^T v_t (z_t likewise), where
+        # S_t = gamma_t^m_t S_(t-1) + phi(k_t)^T v_t (z_t likewise), where
         # m_t is 0 at masked steps: they neither add nor decay.
-        gamma = np.where(valid[..., 0], np.repeat(gamma, group), 1.0)
+        gamma = np.where(valid[..., 0], np.repeat(gamma, group, -1), 1.0)
         numerator, denominator = [], []
         for t in range(length):
             s = gamma[:, t, :, None, None] * s + np.einsum(
@@ -473,6 +482,7 @@ class LinearAttentionTest(testing.TestCase):
         ("grouped", {"causal": True, "num_key_value_heads": 1}, 8),
         ("hybrid", {"causal": True, "local_window": 3}, 9),
         ("decay", {"causal": True, "decay": "learned"}, 9),
+        ("decay_input", {"causal": True, "decay": "input_dependent"}, 10),
         ("random_fourier", {"feature_map": "random_fourier", "seed": 3}, 9, 1),
         ("taylor", {"causal": True, "feature_map": "taylor"}, 8),
         ("cosformer", {"causal": True, "feature_map": "cosformer"}, 8),
@@ -622,6 +632,7 @@ class LinearAttentionTest(testing.TestCase):
             ((np.float64(0.9), 0.5), [0.9, 0.5]),
             ("retnet", "retnet"),
             ("learned", "learned"),
+            ("input_dependent", "input_dependent"),
         ):
             layer = LinearAttention(
                 2, 4, causal=True, decay=decay, local_window=np.int64(8)
@@ -826,6 +837,24 @@ class LinearAttentionTest(testing.TestCase):
             # Hedgehog kernel, the decay and the far scale too.
             self.assertTrue(np.all(np.isfinite(a)) and np.any(a), msg=i)
             self.assertClose(a, e, GRADIENT_TOL, msg=i)
+
+    def test_input_dependent_decay_limits(self):
+        # Gates equal at every step (a zero kernel) are the float decay of
+        # their sigmoid; gates saturated open are no decay.
+        gated = _layer(causal=True, decay="input_dependent")
+        gated.decay_kernel.assign(np.zeros((NUM_HEADS, KEY_DIM)))
+        weights = {v.path[len(gated.path) :]: v for v in gated.weights}
+        for logit, decay in ((1.5, 1 / (1 + np.exp(-1.5))), (60.0, None)):
+            gated.decay_logit.assign(np.full(NUM_HEADS, logit))
+            plain = _layer(causal=True, decay=decay)
+            for v in plain.weights:
+                v.assign(weights[v.path[len(plain.path) :]])
+            for mode in ("parallel", "recurrent"):
+                gated.execution_mode = plain.execution_mode = mode
+                expected = plain(_inputs(), mask=_mask(), return_state=True)
+                actual = gated(_inputs(), mask=_mask(), return_state=True)
+                self.assertClose(actual[0], expected[0], msg=(logit, mode))
+                self.assertStateClose(actual[1], expected[1], msg=mode)
 
     @parameterized.named_parameters(
         ("causal_window_of_length", True, LENGTH, None),
@@ -1052,7 +1081,13 @@ class LinearAttentionTest(testing.TestCase):
         ("hybrid_decay_per_head", None, True, 5, {"decay": [0.9, 0.5]}),
         ("taylor", "taylor", True),
         ("cosformer", "cosformer", True),
-        ("conv_hybrid", "grouped_conv", True, 5),
+        (
+            "conv_hybrid_gated",
+            "grouped_conv",
+            True,
+            5,
+            {"decay": "input_dependent"},
+        ),
         ("conv_non_causal", "grouped_conv", False),
     )
     def test_save_load_and_clone(
