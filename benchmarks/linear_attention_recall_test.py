@@ -179,6 +179,7 @@ class RecallTaskTest(testing.TestCase):
             "taylor": linear(HEADS, taylor),
             "local_window": linear(HEADS, DIM, window=8),
             "decay_learned": linear(HEADS, DIM),
+            "decay_input": linear(HEADS, DIM),
             "grouped": linear(1, DIM),
             "hedgehog_local": linear(HEADS, 2 * DIM, window=8),
         }
