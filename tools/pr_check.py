@@ -14,6 +14,7 @@ it, this tool
    `keras/src/backend/openvino/excluded_concrete_tests.txt`),
 3. runs that tree's `api_gen.py` and checks that `LinearAttention` is
    exported in `keras/api/layers` and `keras/api/_tf_keras/keras/layers`,
+   and the feature maps in their `linear_attention_feature_maps` package,
 4. runs ruff check and ruff format --check with that tree's settings on the
    files the pull request adds or changes,
 5. runs pytest on the contribution's unit tests from that tree's root (its
@@ -41,6 +42,12 @@ API_INITS = (
     "keras/api/layers/__init__.py",
     "keras/api/_tf_keras/keras/layers/__init__.py",
 )
+# Each generated API file, and a name that it must export.
+EXPORTS = [(rel, "LinearAttention") for rel in API_INITS] + [
+    (rel.replace("/__init__", "/linear_attention_feature_maps/__init__"), name)
+    for rel in API_INITS
+    for name in ("FeatureMap", "FavorPlus", "get")
+]
 IMPORT_LINE = (
     "from keras.src.layers.attention.linear_attention import LinearAttention"
 )
@@ -145,11 +152,11 @@ def check(source, backends, keep, select=None):
         python = sys.executable
         if not run("api_gen", [python, "api_gen.py"], scratch, env):
             failed.append("api_gen")
-        for rel in API_INITS:
-            text = (scratch / rel).read_text()
-            if "LinearAttention" not in text:
+        for rel, name in EXPORTS:
+            path = scratch / rel
+            if not path.is_file() or name not in path.read_text():
                 failed.append(f"export in {rel}")
-                print(f"pr-check: {rel} does not export LinearAttention")
+                print(f"pr-check: {rel} does not export {name}")
         ruff = [python, "-m", "ruff"]
         # The generated API is formatted as upstream's pre-commit hook does.
         subprocess.run(
@@ -157,7 +164,7 @@ def check(source, backends, keep, select=None):
         )
         subprocess.run(ruff + ["format", "-q", "keras/api"], cwd=scratch)
         changed = [rel for rel in files if rel.endswith(".py")]
-        changed += [LAYERS_INIT, *API_INITS]
+        changed += [LAYERS_INIT, *dict.fromkeys(rel for rel, _ in EXPORTS)]
         if not run("ruff check", ruff + ["check", *changed], scratch, env):
             failed.append("ruff check")
         if not run(

@@ -319,7 +319,26 @@ def test_generated_api_files(template):
 def _line(rel):
     if rel.startswith("keras/src/"):
         return EXPORT_LINE.split(" as ")[0]
-    return EXPORT_LINE
+    # The feature maps' API package, new in keras.layers, comes first.
+    return MAPS_PACKAGE_LINE + "\n" + EXPORT_LINE
+
+
+MAPS_PACKAGE_LINE = (
+    "from keras.layers import linear_attention_feature_maps as "
+    "linear_attention_feature_maps"
+)
+
+
+def test_new_api_package(template):
+    for root in ("keras/api", "keras/api/_tf_keras/keras"):
+        text = (
+            template / root / "layers/linear_attention_feature_maps/__init__.py"
+        ).read_text()
+        assert text.startswith(tool.NEW_API_PACKAGE)
+        assert (
+            "from keras.src.layers.attention.linear_attention_feature_maps "
+            "import FavorPlus as FavorPlus\n"
+        ) in text
 
 
 def test_export_discovery_follows_the_decorators(ws):
@@ -369,6 +388,13 @@ assert keras.layers.LinearAttention is cls
 assert keras.src.layers.LinearAttention is cls
 assert keras._tf_keras.keras.layers.LinearAttention is cls
 assert api_export.get_symbol_from_name("keras.layers.LinearAttention") is cls
+from keras.src.layers.attention import linear_attention_feature_maps as maps
+
+public = keras.layers.linear_attention_feature_maps
+assert public.FavorPlus is maps.FavorPlus and public.get is maps.get
+assert keras._tf_keras.keras.layers.linear_attention_feature_maps.FeatureMap
+name = "keras.layers.linear_attention_feature_maps.FavorPlus"
+assert api_export.get_symbol_from_name(name) is maps.FavorPlus
 # keras.saving resolves the public name "keras.layers.LinearAttention" (the
 # layer's own from_config is replaced: its arguments are not this test's).
 config = {

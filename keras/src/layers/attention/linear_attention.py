@@ -19,13 +19,15 @@ from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.input_spec import InputSpec
 from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
-from keras.src.saving import serialization_lib
 
 _DECAY_SCHEDULES = ("retnet", "learned", "input_dependent")
 _PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
-# The state's elements of the short convolution: its last inputs.
+# The state's elements by name: the sums of the plain algorithm, the short
+# convolution's last inputs and the window's last steps.
+_SUMS = ("key_value_state", "key_state")
 _CONV_STATE = ("conv_queries", "conv_keys", "conv_values")
+_WINDOW_STATE = ("window_keys", "window_values", "window_valid")
 # The largest seed that every backend's dropout takes: PyTorch's is an int32.
 _MAX_DROPOUT_SEED = 2**31 - 1
 
@@ -191,29 +193,56 @@ class LinearAttention(Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        _check_scalars(
-            num_heads=num_heads,
-            key_dim=key_dim,
-            value_dim=value_dim,
-            num_key_value_heads=num_key_value_heads,
-            local_window=local_window,
-            conv_kernel_size=conv_kernel_size,
-            use_normalizer=use_normalizer,
-            causal=causal,
-            use_bias=use_bias,
-            normalization_epsilon=normalization_epsilon,
-            dropout=dropout,
-            execution_mode=execution_mode,
-        )
+        for name, value, least in (
+            ("num_heads", num_heads, 1),
+            ("key_dim", key_dim, 1),
+            ("value_dim", value_dim, 1),
+            ("num_key_value_heads", num_key_value_heads, 1),
+            ("local_window", local_window, 1),
+            ("conv_kernel_size", conv_kernel_size, 2),
+        ):
+            if value is not None and not _is_integer(value, least):
+                raise ValueError(
+                    f"`{name}` must be an integer of at least {least}. "
+                    f"Received: {name}={value!r}"
+                )
         self.num_heads, self.key_dim = int(num_heads), int(key_dim)
         self.value_dim = int(value_dim or key_dim)
         self.num_key_value_heads = int(num_key_value_heads or num_heads)
+        if self.num_heads % self.num_key_value_heads:
+            raise ValueError(
+                "`num_heads` must be a multiple of `num_key_value_heads`. "
+                f"Received: num_heads={num_heads}, "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        if isinstance(output_shape, (list, tuple)) and len(output_shape) == 1:
+            output_shape = output_shape[0]
+        if output_shape is not None and not _is_integer(output_shape, 1):
+            raise ValueError(
+                "`output_shape` must be a positive integer (or a tuple of "
+                f"one). Received: output_shape={output_shape!r}"
+            )
         # Private, as in `MultiHeadAttention` (`Model.summary()` reads it).
-        self._output_shape = _check_output_shape(output_shape)
+        self._output_shape = _optional_int(output_shape)
         self.use_normalizer = bool(use_normalizer)
         self.normalization_epsilon = float(normalization_epsilon)
+        if not 0 < self.normalization_epsilon < math.inf:
+            raise ValueError(
+                "`normalization_epsilon` must be a positive, finite float. "
+                f"Received: normalization_epsilon={normalization_epsilon!r}"
+            )
         self.causal, self.use_bias = bool(causal), bool(use_bias)
-        self.dropout, self.execution_mode = float(dropout), execution_mode
+        self.dropout = float(dropout)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"`dropout` must be in [0, 1). Received: dropout={dropout!r}"
+            )
+        if execution_mode not in _EXECUTION_MODES:
+            raise ValueError(
+                f"`execution_mode` must be one of {_EXECUTION_MODES}. "
+                f"Received: execution_mode={execution_mode!r}"
+            )
+        self.execution_mode = execution_mode
         self.kernel_initializer = initializers.get(
             kernel_initializer or "glorot_uniform"
         )
@@ -225,11 +254,13 @@ class LinearAttention(Layer):
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
         self.seed = _check_seed(seed, _MAX_DROPOUT_SEED if dropout else None)
+        if isinstance(feature_map, dict):
+            feature_map = linear_attention_feature_maps.deserialize(feature_map)
         self.feature_map = feature_map
         self._feature_map = linear_attention_feature_maps.get(
             feature_map,
             self.key_dim,
-            same_size=self.causal,
+            causal=self.causal,
             num_features=num_features,
             seed=self.seed,
             epsilon=self.normalization_epsilon,
@@ -239,34 +270,17 @@ class LinearAttention(Layer):
         )
         self.num_features = self._feature_map.num_features
         self.local_window = _optional_int(local_window)
-        self.conv_kernel_size = _optional_int(conv_kernel_size)
-        self.decay = _check_decay(decay, self.num_key_value_heads)
-        self._check_options(decay)
-        self._projection_dtypes = _check_projection_dtypes(projection_dtypes)
-
-    def _check_options(self, decay):
-        """Refuses options that do not go together; warns of float16
-        outputs that can overflow."""
-        if self.num_heads % self.num_key_value_heads:
-            raise ValueError(
-                "`num_heads` must be a multiple of `num_key_value_heads` "
-                "(each group of query heads shares one key/value head). "
-                f"Received: num_heads={self.num_heads}, "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
         if self.local_window is not None and not self.use_normalizer:
             raise ValueError(
-                "`local_window` needs `use_normalizer=True`: the window's "
-                "softmax and the linear part share one normalizer. "
-                f"Received: local_window={self.local_window}, "
-                f"use_normalizer={self.use_normalizer}"
+                "`local_window` needs `use_normalizer=True` (the window and "
+                f"the far part share it). Received: local_window={local_window}"
             )
-        if self.decay is not None and not self.causal:
-            raise ValueError(
-                "`decay` needs `causal=True`: it weighs each step by how "
-                "long ago it was, which non-causal attention has no order "
-                f"for. Received: decay={decay!r}, causal={self.causal}"
-            )
+        self.conv_kernel_size = _optional_int(conv_kernel_size)
+        self.decay = _check_decay(decay, self.num_key_value_heads, self.causal)
+        self._projection_dtypes = {
+            name: dtype_policies.get(dtype)
+            for name, dtype in (projection_dtypes or {}).items()
+        }
         if self.compute_dtype == "float16" and not (
             self.use_normalizer and self._feature_map.non_negative
         ):
@@ -274,11 +288,9 @@ class LinearAttention(Layer):
             warnings.warn(
                 "`LinearAttention` with a float16 compute dtype and "
                 f"use_normalizer={self.use_normalizer}, feature_map="
-                f"{self.feature_map!r}: the attention outputs are not "
-                "bounded and can exceed float16's range (inf) before the "
-                "output projection. Use a bfloat16 policy such as "
-                "`mixed_bfloat16`, or float32.",
-                stacklevel=3,
+                f"{self.feature_map!r}: the outputs can overflow float16. "
+                "Use `mixed_bfloat16` or float32.",
+                stacklevel=2,
             )
 
     @property
@@ -291,10 +303,21 @@ class LinearAttention(Layer):
         """The feature map object (`feature_map` resolved)."""
         return self._feature_map
 
-    query_dense = property(lambda self: self._query_dense)
-    key_dense = property(lambda self: self._key_dense)
-    value_dense = property(lambda self: self._value_dense)
-    output_dense = property(lambda self: self._output_dense)
+    @property
+    def query_dense(self):
+        return self._query_dense
+
+    @property
+    def key_dense(self):
+        return self._key_dense
+
+    @property
+    def value_dense(self):
+        return self._value_dense
+
+    @property
+    def output_dense(self):
+        return self._output_dense
 
     def build(self, input_shape):
         input_shape = _check_input_shape(input_shape)
@@ -447,7 +470,7 @@ class LinearAttention(Layer):
             state returned by a call with `return_state=True`.
         """
         self._check_streaming("a call of get_initial_state()")
-        return self._zero_state(_check_batch_size(batch_size))
+        return self._zero_state(batch_size)
 
     def _zero_state(self, batch_size, zeros=ops.zeros):
         """The zero state; with `zeros=backend.KerasTensor`, its spec."""
@@ -532,14 +555,20 @@ class LinearAttention(Layer):
                 order, inputs, mask, segment_ids
             )
         dtype = self.accumulator_dtype
-        state = None
+        # The state by name (empty for non-causal layers).
+        state = {}
         if self.causal:
-            state = initial_state or self._zero_state(ops.shape(inputs)[0])
-            state = tuple(ops.cast(s, dtype) for s in state)
+            initial_state = initial_state or self._zero_state(
+                ops.shape(inputs)[0]
+            )
+            state = {
+                name: ops.cast(x, dtype)
+                for name, x in zip(self._state_shapes(), initial_state)
+            }
         documents, carried_id = core.count_documents(
             segment_ids, inputs, mask, lengths, carried_id, dtype
         )
-        (query, key, value), state, conv_state = self._project(
+        query, key, value = self._project(
             inputs, mask, state, documents, lengths
         )
         # The values masked, so that no product can bring masked steps back.
@@ -548,11 +577,6 @@ class LinearAttention(Layer):
         outputs, state = self._attend(
             (query, key, value, valid, state, documents, order), lengths
         )
-        if conv_state:
-            # Back into the order of `_state_shapes`, by name.
-            names = [n for n in self._state_shapes() if n not in conv_state]
-            named = {**dict(zip(names, state)), **conv_state}
-            state = tuple(named[name] for name in self._state_shapes())
         # No padding reaches the output projection or GPTQ's input statistics.
         outputs = ops.cast(_masked(outputs, mask), self.compute_dtype)
         if self._dropout_layer is not None:
@@ -565,6 +589,7 @@ class LinearAttention(Layer):
             (outputs,) = core.take_steps(back, outputs)
         if not return_state:
             return outputs
+        state = tuple(state[name] for name in self._state_shapes())
         return outputs, state + (() if carried_id is None else (carried_id,))
 
     def _attend(self, tensors, lengths):
@@ -595,35 +620,32 @@ class LinearAttention(Layer):
 
     def _project(self, inputs, mask, state, documents=None, lengths=None):
         """The queries, keys and values `(batch, time, heads, size)` in the
-        accumulator dtype, through the short convolution if any; the state
-        without the convolution's steps; and those steps after the call (a
-        dict by name, empty if none)."""
+        accumulator dtype, through the short convolution if any, which
+        takes its carried steps from the `state` dict and puts the last
+        ones there."""
         dtype = self.accumulator_dtype
         projections = [
             ops.cast(dense(inputs), dtype)
             for dense in (self._query_dense, self._key_dense, self._value_dense)
         ]
         if self._conv_kernels is None:
-            return projections, state, {}
-        previous = (None,) * 3
-        if self.causal:
-            state = dict(zip(self._state_shapes(), state))
-            previous = [state.pop(name) for name in _CONV_STATE]
-            state = tuple(state.values())
-        outputs, recent = [], {}
-        for x, kernel, before, name in zip(
-            projections, self._conv_kernels, previous, _CONV_STATE
+            return projections
+        outputs = []
+        for x, kernel, name in zip(
+            projections, self._conv_kernels, _CONV_STATE
         ):
             # Masked steps enter as zeros.
-            x, recent[name] = core.short_convolution(
+            x, last = core.short_convolution(
                 _masked(x, mask),
                 ops.cast(kernel, x.dtype),
-                before,
+                state.get(name),
                 documents,
                 lengths,
             )
+            if self.causal:
+                state[name] = last
             outputs.append(x)
-        return outputs, state, recent if self.causal else {}
+        return outputs
 
     def _readout(self, numerator, denominator):
         return core.normalize(
@@ -633,20 +655,27 @@ class LinearAttention(Layer):
             clamp=not self._feature_map.non_negative,
         )
 
-    def _features(self, x, positions=None, stabilize=False):
+    def _features(self, x, positions=None, scaled=False):
         """The feature map, at `positions` in the call (`(batch, time)`
-        where the unmasked steps were put first) or at its steps."""
+        where the unmasked steps were put first) or at its steps; with
+        `scaled`, `scaled_features`."""
         length = None if positions is None else ops.shape(x)[1]
-        return self._feature_map.features(x, positions, length, stabilize)
+        if scaled:
+            return self._feature_map.scaled_features(x, positions, length)
+        return self._feature_map.features(x, positions, length)
 
     def _linear(
         self, query, key, value, valid, state, documents=None, order=None
     ):
         """The plain layer: feature maps, then linear attention."""
-        query = self._features(query, order, self.use_normalizer)[0]
+        if self.use_normalizer:
+            # A per-token factor of a query cancels in its normalized output.
+            query, _ = self._features(query, order, scaled=True)
+        else:
+            query = self._features(query, order)
         log_gates = self._log_gates(valid, key)
         # Masked after the feature map, which is not zero at zero.
-        key = _masked(self._features(key, order)[0], valid)
+        key = _masked(self._features(key, order), valid)
         if not self.causal:
             outputs = core.non_causal(
                 query,
@@ -657,18 +686,19 @@ class LinearAttention(Layer):
                 documents,
                 self._chunk_size,
             )
-            return outputs, None
-        return core.causal(
+            return outputs, state
+        outputs, sums = core.causal(
             query,
             key,
             value,
-            state,
+            tuple(state[name] for name in _SUMS if name in state),
             log_gates,
             self._readout,
             self._use_recurrent(query),
             self._chunk_size,
             documents,
         )
+        return outputs, {**state, **dict(zip(_SUMS, sums))}
 
     def _local_window(
         self,
@@ -685,7 +715,7 @@ class LinearAttention(Layer):
         batch, length = ops.shape(query)[:2]
         if valid is None:
             valid = ops.ones((batch, length), query.dtype)
-        query_features, log_scale = self._features(query, order, True)
+        query_features, log_scale = self._features(query, order, scaled=True)
 
         def key_features(keys, positions):
             if order is not None:
@@ -693,7 +723,7 @@ class LinearAttention(Layer):
                 # (outside the inputs) are never read.
                 inside = ops.clip(ops.cast(positions, "int32"), 0, length - 1)
                 positions = ops.take(order, inside, axis=1)
-            return self._feature_map.features(keys, positions, length)[0]
+            return self._feature_map.features(keys, positions, length)
 
         # The far part's log-weight per query: its own, and the factor
         # taken out of the query features, which the window does not share.
@@ -701,16 +731,18 @@ class LinearAttention(Layer):
             ops.zeros_like(query[..., 0]) if log_scale is None else log_scale
         )
         # The carried window (zeros for a non-causal call) precedes inputs.
-        state = state or self._zero_state(batch)
-        keys = ops.concatenate([state[2], ops.swapaxes(key, 1, 2)], axis=2)
-        values = ops.concatenate([state[3], ops.swapaxes(value, 1, 2)], axis=2)
-        valids = ops.concatenate([state[4], valid], axis=1)
+        if not self.causal:
+            state = dict(zip(self._state_shapes(), self._zero_state(batch)))
+        keys, values, valids = (state[name] for name in _WINDOW_STATE)
+        keys = ops.concatenate([keys, ops.swapaxes(key, 1, 2)], axis=2)
+        values = ops.concatenate([values, ops.swapaxes(value, 1, 2)], axis=2)
         if documents is not None:
             # The carried window is document 0.
             documents = ops.concatenate(
-                [ops.zeros_like(state[4]), documents], axis=1
+                [ops.zeros_like(valids), documents], axis=1
             )
-        outputs, state = core.local_window(
+        valids = ops.concatenate([valids, valid], axis=1)
+        outputs, last = core.local_window(
             query * self.key_dim**-0.5,
             query_features,
             far_bias,
@@ -718,7 +750,7 @@ class LinearAttention(Layer):
             values,
             valids,
             key_features,
-            state[:2],
+            tuple(state[name] for name in _SUMS),
             self._readout,
             self.local_window,
             self._log_gates(valids, ops.swapaxes(keys, 1, 2)),
@@ -728,7 +760,7 @@ class LinearAttention(Layer):
             documents=documents,
             lengths=lengths if self.causal else None,
         )
-        return outputs, state if self.causal else None
+        return outputs, {**state, **dict(zip(_SUMS + _WINDOW_STATE, last))}
 
     def _use_recurrent(self, inputs):
         length = inputs.shape[1]
@@ -763,21 +795,14 @@ class LinearAttention(Layer):
         return _masked(log_decay, valid)
 
     def _check_streaming(self, received):
-        """Refuses a state where the layer has none to carry; `received`
-        says what was asked."""
-        if not self.causal:
+        """Refuses a state where the layer has none to carry."""
+        if not self.causal or not self._feature_map.streams:
             raise ValueError(
-                "`initial_state`, `return_state` and `get_initial_state()` "
-                "are only supported by causal layers (`causal=True`): "
-                "non-causal attention has no recurrent state. Received: "
-                f"causal={self.causal}, {received}"
-            )
-        if not self._feature_map.streams:
-            raise ValueError(
-                f"feature_map={self.feature_map!r} weighs each step by its "
-                "position in the call's whole length, which a stream of "
-                "pieces cannot know: a causal layer with it takes no "
-                f"`initial_state` and returns no state. Received: {received}"
+                "A state (`initial_state`, `return_state`, "
+                "`get_initial_state()`) is only supported by causal layers "
+                "whose feature map streams (not 'cosformer'). Received: "
+                f"causal={self.causal}, feature_map={self.feature_map!r}, "
+                f"{received}"
             )
 
     def _check_call_arguments(
@@ -790,80 +815,50 @@ class LinearAttention(Layer):
         if isinstance(inputs, (list, tuple, dict)):
             _check_input_shape(tree.map_structure(ops.shape, inputs))
         _check_input_shape(tuple(inputs.shape))
-        dtype = backend.standardize_dtype(inputs.dtype)
-        if not backend.is_float_dtype(dtype):
+        if not backend.is_float_dtype(inputs.dtype):
             raise ValueError(
-                "`inputs` must be a floating-point tensor. Received: inputs "
-                f"with dtype={dtype}. Cast the inputs to a floating dtype, "
-                "e.g. `keras.ops.cast(inputs, 'float32')`, or embed integer "
-                "tokens first (e.g. with `keras.layers.Embedding`)."
+                "`inputs` must be a floating-point tensor (embed tokens "
+                f"first). Received: inputs with dtype={inputs.dtype}"
             )
         if return_state or initial_state is not None:
-            given = "given" if initial_state is not None else "None"
-            self._check_streaming(
-                f"return_state={return_state}, initial_state {given}"
-            )
-        _check_segment_ids(segment_ids, inputs)
-        if segment_ids is not None and not self._feature_map.streams:
+            self._check_streaming(f"return_state={return_state}")
+        ids = segment_ids
+        if ids is not None and (
+            not backend.is_int_dtype(getattr(ids, "dtype", "float32"))
+            or not _fits(ids.shape, inputs.shape[:2])
+            or not self._feature_map.streams
+        ):
             raise ValueError(
-                f"feature_map={self.feature_map!r} weighs each step by its "
-                "position in the call, not in its document: it takes no "
-                "`segment_ids`. Received: segment_ids given"
+                "`segment_ids` must be an integer tensor of shape "
+                f"{tuple(inputs.shape[:2])} (batch_size, sequence_length), "
+                "with a feature map that streams (not 'cosformer'). "
+                f"Received: {type(ids).__name__} of dtype "
+                f"{getattr(ids, 'dtype', None)} and shape "
+                f"{getattr(ids, 'shape', None)}, feature_map="
+                f"{self.feature_map!r}"
             )
-        carried_id = None
-        if initial_state is not None:
-            shapes = self._state_shapes()
-            if (
-                isinstance(initial_state, (list, tuple))
-                and len(initial_state) == len(shapes) + 1
-                and len(getattr(initial_state[-1], "shape", ())) == 1
-            ):
-                last = initial_state[-1]
-                dtype = backend.standardize_dtype(last.dtype)
-                if not backend.is_int_dtype(dtype):
-                    raise ValueError(
-                        "The last element of `initial_state`, a packed call's "
-                        "last document id, must be an integer tensor of "
-                        f"shape (batch_size,). Received: dtype={dtype}"
-                    )
-                carried_id, initial_state = last, tuple(initial_state[:-1])
-            self._check_state(initial_state, inputs.shape[0])
-        return carried_id, initial_state
-
-    def _check_state(self, state, batch_size):
+        if initial_state is None:
+            return None, None
         shapes = self._state_shapes()
-        expected = ", ".join(
-            f"{name} (batch_size,) + {shape}" for name, shape in shapes.items()
-        )
-        if not isinstance(state, (list, tuple)) or len(state) != len(shapes):
-            received = type(state).__name__
-            if isinstance(state, (list, tuple)):
-                received += f" of {len(state)} element(s)"
+        carried_id = None
+        if len(initial_state) == len(shapes) + 1:
+            # A packed call's state ends with the last step's document id.
+            carried_id, initial_state = initial_state[-1], initial_state[:-1]
+        expected = [(inputs.shape[0],) + shape for shape in shapes.values()]
+        received = [tuple(getattr(x, "shape", ())) for x in initial_state]
+        if (
+            len(received) != len(expected)
+            or not all(map(_fits, received, expected))
+            or not backend.is_int_dtype(getattr(carried_id, "dtype", "int32"))
+        ):
             raise ValueError(
-                f"`initial_state` must be a tuple of {len(shapes)} "
-                f"tensor(s): {expected} (and a packed call's last "
-                "document id), as returned by `get_initial_state()` or by a "
-                "call with `return_state=True`."
-                f" Received: initial_state of type {received}"
+                f"`initial_state` must have the shapes {expected} (then a "
+                "packed call's last document ids, integers), as "
+                "`get_initial_state()` returns them. Received: shapes "
+                f"{received}"
+                + ("" if carried_id is None else f" and {carried_id.dtype}")
             )
-        for (name, shape), tensor in zip(shapes.items(), state):
-            received = tuple(getattr(tensor, "shape", ()))
-            if received[1:] != shape or (
-                batch_size is not None and received[0] not in (batch_size, None)
-            ):
-                raise ValueError(
-                    f"`initial_state` element {name} must have shape "
-                    f"{(batch_size,) + shape}: the batch size of `inputs`, "
-                    f"then {shape}. Expected: {expected}. Received: {name} "
-                    f"with shape {received}"
-                )
-            dtype = backend.standardize_dtype(tensor.dtype)
-            if not backend.is_float_dtype(dtype):
-                raise ValueError(
-                    f"`initial_state` element {name} must be a floating-point "
-                    f"tensor (it is used as {self.accumulator_dtype}). "
-                    f"Received: {name} with dtype={dtype}"
-                )
+        return carried_id, tuple(initial_state)
 
     def compute_mask(self, inputs, previous_mask):
         # The applied mask in full: a broadcastable one, passed on as given,
@@ -901,40 +896,44 @@ class LinearAttention(Layer):
         return outputs, state
 
     def get_config(self):
-        names = (
-            "num_heads key_dim value_dim use_normalizer normalization_epsilon "
-            "causal dropout use_bias execution_mode seed num_key_value_heads "
-            "num_features local_window decay conv_kernel_size"
-        ).split()
-        config = {name: getattr(self, name) for name in names}
-        config.update(
-            output_shape=self._output_shape,
-            feature_map=linear_attention_feature_maps.serialize(
+        config = {
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "value_dim": self.value_dim,
+            "output_shape": self._output_shape,
+            "feature_map": linear_attention_feature_maps.serialize(
                 self.feature_map
             ),
-            kernel_initializer=initializers.serialize(self.kernel_initializer),
-            bias_initializer=initializers.serialize(self.bias_initializer),
-            kernel_regularizer=regularizers.serialize(self.kernel_regularizer),
-            bias_regularizer=regularizers.serialize(self.bias_regularizer),
-            activity_regularizer=regularizers.serialize(
+            "use_normalizer": self.use_normalizer,
+            "normalization_epsilon": self.normalization_epsilon,
+            "causal": self.causal,
+            "dropout": self.dropout,
+            "use_bias": self.use_bias,
+            "execution_mode": self.execution_mode,
+            "kernel_initializer": initializers.serialize(
+                self.kernel_initializer
+            ),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(
+                self.kernel_regularizer
+            ),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "activity_regularizer": regularizers.serialize(
                 self._activity_regularizer
             ),
-            kernel_constraint=constraints.serialize(self.kernel_constraint),
-            bias_constraint=constraints.serialize(self.bias_constraint),
-        )
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+            "seed": self.seed,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_features": self.num_features,
+            "local_window": self.local_window,
+            "decay": self.decay,
+            "conv_kernel_size": self.conv_kernel_size,
+        }
         projection_dtypes = self._changed_projection_dtypes()
         if projection_dtypes:
             config["projection_dtypes"] = projection_dtypes
         return {**super().get_config(), **config}
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("feature_map"), dict):
-            config["feature_map"] = serialization_lib.deserialize_keras_object(
-                config["feature_map"]
-            )
-        return super().from_config(config)
 
 
 class _UncastState:
@@ -961,154 +960,47 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _check_segment_ids(segment_ids, inputs):
-    """Refuses `segment_ids` that are not integers of shape `(batch, time)`
-    of the inputs."""
-    if segment_ids is None:
-        return
-    dtype = getattr(segment_ids, "dtype", None)
-    dtype = None if dtype is None else backend.standardize_dtype(dtype)
-    shape = tuple(getattr(segment_ids, "shape", ()))
-    if (
-        dtype is None
-        or not backend.is_int_dtype(dtype)
-        or len(shape) != 2
-        or any(
-            isinstance(dim, int) and isinstance(other, int) and dim != other
-            for dim, other in zip(shape, inputs.shape[:2])
-        )
-    ):
-        raise ValueError(
-            "`segment_ids` must be an integer tensor of shape (batch_size, "
-            "sequence_length), the document of each step. Received: "
-            f"segment_ids of type {type(segment_ids).__name__}"
-            + (
-                ""
-                if dtype is None
-                else f" with dtype {dtype} and shape {shape}"
-            )
-            + f" for inputs with shape {tuple(inputs.shape)}"
-        )
-
-
-def _check_scalars(**arguments):
-    """Refuses a scalar argument that `_SCALAR_ARGUMENTS` does not allow."""
-    for name, value in arguments.items():
-        allowed, valid = _SCALAR_ARGUMENTS[name]
-        if not valid(value):
-            raise ValueError(
-                f"`{name}` must be {allowed}. Received: {name}={value!r}"
-            )
-
-
-def _is_real(value):
-    """Whether `value` is a real number (NumPy's too), not a boolean."""
-    return isinstance(value, numbers.Real) and not isinstance(value, _BOOLEANS)
-
-
-def _is_integer(value, minimum=-math.inf):
-    """Whether `value` is an integer of at least `minimum`, not a boolean."""
-    integer = isinstance(value, numbers.Integral) and _is_real(value)
+def _is_integer(value, minimum):
+    """Whether `value` is an integer (NumPy's too, not a boolean) of at
+    least `minimum`."""
+    boolean = isinstance(value, (bool, np.bool_))
+    integer = isinstance(value, numbers.Integral) and not boolean
     return integer and value >= minimum
+
+
+def _fits(shape, expected):
+    """Whether `shape` is `expected` where both sizes are known."""
+    pairs = list(zip(shape, expected))
+    return len(shape) == len(expected) and all(
+        None in pair or pair[0] == pair[1] for pair in pairs
+    )
 
 
 def _optional_int(value):
     return None if value is None else int(value)
 
 
-_BOOLEANS = (bool, np.bool_)
-_BOOLEAN = ("a boolean", lambda v: isinstance(v, _BOOLEANS))
-_POSITIVE_INT = ("a positive integer", lambda v: _is_integer(v, 1))
-_OPTIONAL_POSITIVE_INT = (
-    "a positive integer",
-    lambda v: v is None or _is_integer(v, 1),
-)
-# The scalar arguments: what each allows, and a test of the value.
-_SCALAR_ARGUMENTS = {
-    "num_heads": _POSITIVE_INT,
-    "key_dim": _POSITIVE_INT,
-    "value_dim": _OPTIONAL_POSITIVE_INT,
-    "num_key_value_heads": _OPTIONAL_POSITIVE_INT,
-    "local_window": _OPTIONAL_POSITIVE_INT,
-    "conv_kernel_size": (
-        "`None` or an integer of at least 2",
-        lambda v: v is None or _is_integer(v, 2),
-    ),
-    "use_normalizer": _BOOLEAN,
-    "causal": _BOOLEAN,
-    "use_bias": _BOOLEAN,
-    "normalization_epsilon": (
-        "a positive, finite float",
-        lambda v: _is_real(v) and 0 < v < math.inf,
-    ),
-    "dropout": ("a float in [0, 1)", lambda v: _is_real(v) and 0 <= v < 1),
-    "execution_mode": (
-        f"one of {', '.join(map(repr, _EXECUTION_MODES))}",
-        lambda v: isinstance(v, str) and v in _EXECUTION_MODES,
-    ),
-}
-
-
-def _check_output_shape(output_shape):
-    """`output_shape` as `None` or a Python `int`."""
-    size = output_shape
-    if isinstance(size, (list, tuple)) and len(size) == 1:
-        size = size[0]
-    if size is None or _is_integer(size, 1):
-        return _optional_int(size)
-    raise ValueError(
-        "`output_shape` must be `None`, a positive integer, or a tuple or "
-        f"list of one positive integer. Received: output_shape={output_shape!r}"
-    )
-
-
-def _check_projection_dtypes(projection_dtypes):
-    dtypes = projection_dtypes or {}
-    if not isinstance(dtypes, dict) or not set(dtypes) <= set(_PROJECTIONS):
-        raise ValueError(
-            "`projection_dtypes` must be a dict from projection names "
-            f"({', '.join(map(repr, _PROJECTIONS))}) to dtype policies. "
-            f"Received: projection_dtypes={projection_dtypes!r}"
-        )
-    return {name: dtype_policies.get(dtype) for name, dtype in dtypes.items()}
-
-
-def _check_batch_size(batch_size):
-    """`batch_size`, a Python `int` where it is an integer. Refuses what is
-    clearly not a batch size, but passes a symbolic size of an export with
-    a dynamic batch (a `torch.SymInt` or a JAX dimension expression)."""
-    if isinstance(batch_size, np.ndarray) and batch_size.ndim == 0:
-        batch_size = batch_size[()]
-    if _is_integer(batch_size, 0):
-        return int(batch_size)
-    not_sizes = (type(None), numbers.Number, str, bytes, list, tuple, dict)
-    dtype = getattr(batch_size, "dtype", None)
-    if (
-        isinstance(batch_size, not_sizes)
-        or len(getattr(batch_size, "shape", ()))
-        or (dtype is not None and not backend.is_int_dtype(dtype))
-    ):
-        raise ValueError(
-            "`batch_size` must be a non-negative integer or a scalar "
-            f"integer tensor. Received: batch_size={batch_size!r}"
-        )
-    return batch_size
-
-
-def _check_decay(decay, num_key_value_heads):
+def _check_decay(decay, num_key_value_heads, causal):
     """`decay` as `None`, a schedule's name, a float or a list of floats."""
+    if decay is not None and not causal:
+        raise ValueError(
+            "`decay` needs `causal=True`: non-causal attention has no order "
+            f"to decay along. Received: decay={decay!r}, causal={causal}"
+        )
     if decay is None or (isinstance(decay, str) and decay in _DECAY_SCHEDULES):
         return decay
     is_list = isinstance(decay, (list, tuple))
     values = list(decay) if is_list else [decay]
     if len(values) != (num_key_value_heads if is_list else 1) or not all(
-        _is_real(g) and 0 < g <= 1 for g in values
+        isinstance(g, numbers.Real)
+        and not isinstance(g, (bool, np.bool_))
+        and 0 < g <= 1
+        for g in values
     ):
         raise ValueError(
             "`decay` must be `None`, a float in (0, 1], a list of "
-            f"num_key_value_heads={num_key_value_heads} such floats (one per "
-            "key/value head), 'retnet', 'learned' or 'input_dependent'. "
-            f"Received: decay={decay!r}"
+            f"num_key_value_heads={num_key_value_heads} such floats, "
+            f"or one of {_DECAY_SCHEDULES}. Received: decay={decay!r}"
         )
     values = [float(g) for g in values]
     return values if is_list else values[0]
@@ -1127,14 +1019,13 @@ def _retnet_decay_logits(shape, dtype=None):
 
 def _check_seed(seed, largest=None):
     """`seed` as a Python `int` or `None`, if non-negative (NumPy and JAX
-    refuse negative seeds) and at most `largest`."""
-    if seed is None or (_is_integer(seed, 0) and seed <= (largest or math.inf)):
+    refuse negative seeds) and at most `largest` (PyTorch's dropout)."""
+    if seed is None or (_is_integer(seed, 0) and seed <= (largest or seed)):
         return _optional_int(seed)
-    allowed = "a non-negative integer"
-    if largest is not None:
-        allowed = f"an integer in [0, {largest}] with dropout"
     raise ValueError(
-        f"`seed` must be `None` or {allowed}. Received: seed={seed!r}"
+        "`seed` must be `None` or a non-negative integer"
+        + ("" if largest is None else f" of at most {largest} with dropout")
+        + f". Received: seed={seed!r}"
     )
 
 
@@ -1148,16 +1039,14 @@ def _check_input_shape(shape):
         isinstance(dim, (list, tuple)) for dim in shape
     ):
         raise ValueError(
-            "`LinearAttention` is self-attention: it takes a single `inputs` "
-            "tensor of shape (batch_size, sequence_length, input_dim). "
-            "Cross-attention (separate query/key/value inputs) is not "
-            f"supported. Received input shape(s): {shape}"
+            "`LinearAttention` is self-attention: it takes one `inputs` "
+            "tensor (no cross-attention). Received input shape(s): "
+            f"{shape}"
         )
     if len(shape) != 3 or shape[-1] is None:
         raise ValueError(
-            "`inputs` must have rank 3, shape (batch_size, sequence_length, "
-            "input_dim) with a known input_dim. Received: inputs with shape "
-            f"{tuple(shape)}"
+            "`inputs` must have rank 3, (batch_size, sequence_length, "
+            f"input_dim) with a known input_dim. Received: shape {shape}"
         )
     return tuple(shape)
 
@@ -1166,36 +1055,20 @@ def _standardize_mask(mask, inputs):
     """Returns `mask` as a boolean `(batch, time)` tensor, or `None`."""
     if mask is None:
         return None
-    try:
-        # Such as a state passed by position; each backend raises its own.
-        tensor = mask if hasattr(mask, "shape") else ops.convert_to_tensor(mask)
-        dtype = backend.standardize_dtype(tensor.dtype)
-    except Exception:
-        dtype = None
-    if dtype is None or not (
-        dtype == "bool" or "int" in dtype or backend.is_float_dtype(dtype)
-    ):
-        raise ValueError(
-            "`mask` must be a boolean (or 0/1 numeric) tensor of shape "
-            "(batch_size, sequence_length). A state is passed as "
-            "`initial_state=`. Received: mask of type "
-            f"{type(mask).__name__}"
-            + ("" if dtype is None else f" with dtype {dtype}")
-        )
-    shape = tuple(tensor.shape)
+    shape = tuple(getattr(mask, "shape", ()))
     if len(shape) != 2 or any(
         None not in (dim, other) and dim not in (1, other)
         for dim, other in zip(shape, inputs.shape[:2])
     ):
         raise ValueError(
-            "`mask` must be a 2-D sequence mask of shape (batch_size, "
-            "sequence_length), or broadcastable to it such as (1, "
-            "sequence_length) or (batch_size, 1). Pairwise (3-D) attention "
-            "masks and cross-attention are not supported by "
-            f"`LinearAttention`. Received: mask with shape {shape} for "
-            f"inputs with shape {tuple(inputs.shape)}"
+            "`mask` must be a tensor of shape (batch_size, sequence_length) "
+            "or broadcastable to it (a state is passed as `initial_state=`; "
+            "no cross-attention). "
+            f"Received: mask of type {type(mask).__name__} with shape "
+            f"{shape} for inputs of shape {tuple(inputs.shape)}"
         )
-    if dtype != "bool":
-        tensor = ops.not_equal(tensor, 0)
+    mask = ops.convert_to_tensor(mask)
+    if backend.standardize_dtype(mask.dtype) != "bool":
+        mask = ops.not_equal(mask, 0)
     # `logical_and`, unlike `broadcast_to`, allows unknown symbolic sizes.
-    return ops.logical_and(tensor, ops.ones_like(inputs[:, :, 0], dtype="bool"))
+    return ops.logical_and(mask, ops.ones_like(inputs[:, :, 0], dtype="bool"))

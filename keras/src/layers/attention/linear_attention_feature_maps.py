@@ -1,5 +1,6 @@
 """The feature maps `phi` of `LinearAttention`, one class each: a new map
-is one class here and an entry in `FEATURE_MAPS`."""
+is one class here and an entry in `FEATURE_MAPS`. Public as
+`keras.layers.linear_attention_feature_maps`, as Keras's activations are."""
 
 import inspect
 import math
@@ -12,6 +13,7 @@ from keras.src import constraints
 from keras.src import ops
 from keras.src import regularizers
 from keras.src import utils
+from keras.src.api_export import keras_export
 from keras.src.layers.layer import Layer
 from keras.src.saving import serialization_lib
 
@@ -28,6 +30,7 @@ _TAYLOR_MAX_KEY_DIM = 32
 _LOG_MEAN_EXP = 0.5
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.FeatureMap")
 class FeatureMap(Layer):
     """Base class of the feature maps of `LinearAttention`.
 
@@ -99,16 +102,19 @@ class FeatureMap(Layer):
     def build(self, input_shape):
         self.heads = input_shape[2]
 
-    def features(self, x, positions=None, length=None, stabilize=False):
-        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys, and
-        the log of a per-token factor `(batch, time, heads)` that a map may
-        divide them by with `stabilize` (else `None`). `positions` (the
-        steps' indices) and `length` (the call's) are for maps that weigh
-        by position."""
+    def features(self, x, positions=None, length=None):
+        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys.
+        `positions` (the steps' indices) and `length` (the call's) are for
+        maps that weigh by position."""
         raise NotImplementedError
 
+    def scaled_features(self, x, positions=None, length=None):
+        """`phi(x) / exp(log_scale)` and `log_scale` `(batch, time, heads)`,
+        a per-token factor a map may take out for range (else `None`)."""
+        return self.features(x, positions, length), None
+
     def call(self, x):
-        return self.features(x)[0]
+        return self.features(x)
 
     def _per_head(self, weight, x):
         """`weight`, one row per key/value head, for the heads of `x`."""
@@ -129,14 +135,15 @@ class FeatureMap(Layer):
         }
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.EluPlusOne")
 class EluPlusOne(FeatureMap):
     """`elu(x) + 1` (Katharopoulos et al., 2020)."""
 
-    def features(self, x, positions=None, length=None, stabilize=False):
+    def features(self, x, positions=None, length=None):
         # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
         # far below zero, where `expm1(x) + 1` rounds to 0.
         positive = ops.relu(x)
-        return ops.exp(x - positive) + positive, None
+        return ops.exp(x - positive) + positive
 
     @property
     def initial_far_log_scale(self):
@@ -146,11 +153,12 @@ class EluPlusOne(FeatureMap):
         return _LOG_MEAN_EXP - math.log(self.key_dim * mean**2)
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.ReLU")
 class ReLU(FeatureMap):
     """`relu(x) + epsilon`."""
 
-    def features(self, x, positions=None, length=None, stabilize=False):
-        return ops.relu(x) + self.epsilon, None
+    def features(self, x, positions=None, length=None):
+        return ops.relu(x) + self.epsilon
 
     @property
     def initial_far_log_scale(self):
@@ -158,6 +166,7 @@ class ReLU(FeatureMap):
         return _LOG_MEAN_EXP - math.log(self.key_dim / (2 * math.pi))
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.CosFormer")
 class CosFormer(ReLU):
     """cosFormer (Qin et al., 2022): `"relu"` features reweighted by
     `cos(pi / 2 * (i - j) / M)` for query `i` and key `j` of a call of
@@ -170,7 +179,7 @@ class CosFormer(ReLU):
     def size(self):
         return 2 * self.key_dim
 
-    def features(self, x, positions=None, length=None, stabilize=False):
+    def features(self, x, positions=None, length=None):
         if positions is None:
             length = ops.shape(x)[1]
             # Integers, cast: TensorFlow has no float16 range.
@@ -179,11 +188,12 @@ class CosFormer(ReLU):
         angle = ops.cast(positions, x.dtype) * scale
         # Positions `(time,)` or, per row, `(batch, time)`.
         angle = ops.expand_dims(angle, (-1, -2))
-        features = super().features(x)[0]
+        features = super().features(x)
         sin, cos = _sin_cos(angle)
-        return ops.concatenate([features * cos, features * sin], -1), None
+        return ops.concatenate([features * cos, features * sin], -1)
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.Taylor")
 class Taylor(FeatureMap):
     """Based's second-order Taylor map (Arora et al., 2024):
     `phi(q) . phi(k) = 1 + s + s^2 / 2` for `s = q . k / sqrt(key_dim)`."""
@@ -204,7 +214,7 @@ class Taylor(FeatureMap):
     def size(self):
         return 1 + self.key_dim * (self.key_dim + 3) // 2
 
-    def features(self, x, positions=None, length=None, stabilize=False):
+    def features(self, x, positions=None, length=None):
         # [1, x / d^(1/4), vec(x x^T) / (2 d)^(1/2)] with the pairs i <= j
         # of x x^T only (those with i < j scaled by 2^(1/2)).
         d = self.key_dim
@@ -216,7 +226,7 @@ class Taylor(FeatureMap):
         pairs = ops.concatenate(pairs, axis=-1)
         pairs = pairs * ops.convert_to_tensor(scale, dtype=x.dtype)
         ones = ops.ones_like(x[..., :1])
-        return ops.concatenate([ones, x * d**-0.25, pairs], axis=-1), None
+        return ops.concatenate([ones, x * d**-0.25, pairs], axis=-1)
 
 
 class _SizedFeatureMap(FeatureMap):
@@ -271,31 +281,41 @@ class _RandomFeatureMap(_SizedFeatureMap):
         weight.assign(ops.cast(features, weight.dtype))
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.FavorPlus")
 class FavorPlus(_RandomFeatureMap):
     """Performer's positive random features (Choromanski et al., 2021):
     `phi(q) . phi(k)` estimates `exp(q . k / sqrt(key_dim))`."""
 
     default_ratio = 4
 
-    def features(self, x, positions=None, length=None, stabilize=False):
-        # exp(w . x - |x|^2 / 2) / sqrt(m) of x / key_dim**0.25.
+    def features(self, x, positions=None, length=None):
+        return self._features(self._exponent(x))
+
+    def scaled_features(self, x, positions=None, length=None):
+        exponent = self._exponent(x)
+        if 0 in x.shape:
+            # `max` of an empty tensor fails on some backends.
+            return self._features(exponent), None
+        # Per token, so that chunked runs agree.
+        log_scale = ops.max(exponent, axis=-1)
+        exponent = exponent - ops.expand_dims(log_scale, -1)
+        return self._features(exponent), log_scale
+
+    def _exponent(self, x):
+        # w . x - |x|^2 / 2 of x / key_dim**0.25.
         x = x * self.key_dim**-0.25
         features = ops.cast(self.random_features, x.dtype)
         norms = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)
-        exponent = ops.einsum("bthd,dm->bthm", x, features) - norms
-        log_scale = None
-        if stabilize and 0 not in x.shape:
-            # Per token, so that chunked runs agree; `max` of an empty
-            # tensor fails on some backends.
-            log_scale = ops.max(exponent, axis=-1, keepdims=True)
-            exponent = exponent - log_scale
-            log_scale = ops.squeeze(log_scale, -1)
-        # min(exponent, cap) per element, never by a statistic over the
-        # sequence, which would break chunked runs.
+        return ops.einsum("bthd,dm->bthm", x, features) - norms
+
+    def _features(self, exponent):
+        # exp(min(exponent, cap)) / sqrt(m), capped per element, never by a
+        # statistic over the sequence, which would break chunked runs.
         exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
-        return ops.exp(exponent) * self.num_features**-0.5, log_scale
+        return ops.exp(exponent) * self.num_features**-0.5
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.RandomFourier")
 class RandomFourier(_RandomFeatureMap):
     """Random Feature Attention (Peng et al., 2021): sines and cosines of
     the unit-norm input, estimating a Gaussian kernel of a learned
@@ -313,7 +333,7 @@ class RandomFourier(_RandomFeatureMap):
             autocast=False,
         )
 
-    def features(self, x, positions=None, length=None, stabilize=False):
+    def features(self, x, positions=None, length=None):
         squares = ops.sum(ops.square(x), axis=-1, keepdims=True)
         x = x / ops.sqrt(squares + _UNIT_EPSILON)
         bandwidth = ops.exp(self._per_head(self.log_bandwidth, x))
@@ -321,7 +341,7 @@ class RandomFourier(_RandomFeatureMap):
         x = ops.einsum("bthd,dm->bthm", x, features)
         x = x / ops.expand_dims(bandwidth, 1)
         features = ops.concatenate(_sin_cos(x), axis=-1)
-        return features * (self.num_features // 2) ** -0.5, None
+        return features * (self.num_features // 2) ** -0.5
 
     @property
     def initial_far_log_scale(self):
@@ -329,6 +349,7 @@ class RandomFourier(_RandomFeatureMap):
         return _LOG_MEAN_EXP + 1.0
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.Hedgehog")
 class Hedgehog(_SizedFeatureMap):
     """Hedgehog (Zhang et al., 2024): `softmax([W x, -W x])` with a learned
     `W` per key/value head, starting from the identity."""
@@ -355,9 +376,9 @@ class Hedgehog(_SizedFeatureMap):
         kernel = ops.transpose(kernel, (1, 0, 2))
         return ops.transpose(self.kernel_constraint(kernel), (1, 0, 2))
 
-    def features(self, x, positions=None, length=None, stabilize=False):
+    def features(self, x, positions=None, length=None):
         x = ops.einsum("bthd,hdf->bthf", x, self._per_head(self.kernel, x))
-        return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1), None
+        return ops.softmax(ops.concatenate([x, -x], axis=-1), axis=-1)
 
     @property
     def initial_far_log_scale(self):
@@ -370,17 +391,17 @@ class Hedgehog(_SizedFeatureMap):
         return _LOG_MEAN_EXP - math.log(products / totals)
 
 
-class _Function(FeatureMap):
-    """A registered callable or `Layer` as a feature map; with `same_size`
+class _WrappedCallable(FeatureMap):
+    """A registered callable or `Layer` as a feature map; with `causal`
     (causal layers, whose state has `key_dim` features) it must keep its
     input's shape, otherwise any number of features."""
 
     def __init__(
-        self, key_dim, function, same_size=True, num_features=None, **kwargs
+        self, key_dim, function, causal=True, num_features=None, **kwargs
     ):
         super().__init__(key_dim, **kwargs)
         self.function = function
-        self.same_size = same_size
+        self.causal = causal
         # Checked once `function`, which the message names, is set.
         self._check_num_features(num_features)
 
@@ -400,19 +421,19 @@ class _Function(FeatureMap):
                 self.function, backend.KerasTensor(shape, self.compute_dtype)
             )
 
-    def features(self, x, positions=None, length=None, stabilize=False):
+    def features(self, x, positions=None, length=None):
         features = self.function(x)
         # Refuses features that the products or the state cannot take,
         # where both sizes are known (not `None` or symbolic).
         shape = getattr(features, "shape", None)
-        compared = x.shape if self.same_size else x.shape[:-1]
+        compared = x.shape if self.causal else x.shape[:-1]
         mismatch = shape is None or len(shape) != len(x.shape)
         if mismatch or any(
             isinstance(a, int) and isinstance(b, int) and a != b
             for a, b in zip(shape, compared)
         ):
             expected = f"its input's shape, {tuple(x.shape)}"
-            if not self.same_size:
+            if not self.causal:
                 expected = (
                     f"its input's batch size, length and heads, "
                     f"{tuple(compared)}, and any number of features"
@@ -423,7 +444,7 @@ class _Function(FeatureMap):
                 f"Received: {got} from feature_map={self.function!r}"
             )
         # A `Layer` map computes in its own dtype policy.
-        return ops.cast(features, x.dtype), None
+        return ops.cast(features, x.dtype)
 
 
 FEATURE_MAPS = {
@@ -438,9 +459,22 @@ FEATURE_MAPS = {
 _NAMES = {cls: name for name, cls in FEATURE_MAPS.items()}
 
 
-def get(identifier, key_dim, same_size=True, **options):
-    """The feature map for a `feature_map` argument: a name from
-    `FEATURE_MAPS`, or a registered callable or `Layer` (wrapped)."""
+@keras_export("keras.layers.linear_attention_feature_maps.get")
+def get(identifier, key_dim, causal=True, **options):
+    """Returns the feature map for `identifier`, for queries and keys of
+    size `key_dim`.
+
+    Args:
+        identifier: A name from `FEATURE_MAPS` (such as `"favor_plus"`), a
+            config dict from `serialize()`, a `FeatureMap` (returned as
+            it is), or a registered callable or `Layer` (wrapped).
+        key_dim: Size of the queries and keys.
+        causal: Whether the map feeds a causal layer, whose state needs a
+            wrapped callable to keep its input's shape.
+        **options: Arguments of a named map, such as `num_features`.
+    """
+    if isinstance(identifier, dict):
+        identifier = deserialize(identifier)
     if isinstance(identifier, FeatureMap):
         if identifier.key_dim != key_dim:
             raise ValueError(
@@ -466,11 +500,20 @@ def get(identifier, key_dim, same_size=True, **options):
             "function or a `Layer` instance (not a class). Received: "
             f"feature_map={identifier!r}"
         )
-    return _Function(
-        key_dim, identifier, same_size, name="feature_map", **options
+    return _WrappedCallable(
+        key_dim, identifier, causal, name="feature_map", **options
     )
 
 
+@keras_export("keras.layers.linear_attention_feature_maps.deserialize")
+def deserialize(config, custom_objects=None):
+    """Returns a feature map (or a registered callable) from its config."""
+    return serialization_lib.deserialize_keras_object(
+        config, custom_objects=custom_objects
+    )
+
+
+@keras_export("keras.layers.linear_attention_feature_maps.serialize")
 def serialize(feature_map):
     """`feature_map` for a config: a name as it is, a callable serialized
     if it loads back (a function as itself, an object as one of its class),

@@ -28,15 +28,7 @@ TOL = FLOAT64_TOL if DTYPE == "float64" else FLOAT32_TOL
 BATCH, LENGTH, KEY_DIM = 2, 5, 3
 # Maps are built for KEY_VALUE_HEADS; queries have NUM_HEADS (2 per group).
 NUM_HEADS, KEY_VALUE_HEADS = 4, 2
-MAPS = {
-    "elu_plus_one": maps.EluPlusOne,
-    "relu": maps.ReLU,
-    "favor_plus": maps.FavorPlus,
-    "hedgehog": maps.Hedgehog,
-    "random_fourier": maps.RandomFourier,
-    "taylor": maps.Taylor,
-    "cosformer": maps.CosFormer,
-}
+MAPS = maps.FEATURE_MAPS
 # Features per head at the default `num_features`, for KEY_DIM = 3.
 SIZES = {
     "elu_plus_one": 3,
@@ -241,12 +233,11 @@ class FeatureMapsTest(_TestCase):
         if name == "cosformer":
             # Steps 4 to 8 of a call of 11, as in a later chunk.
             positions, length = np.arange(4, 4 + LENGTH, dtype=DTYPE), 11
-        features, log_scale = feature_map.features(
+        features = feature_map.features(
             ops.convert_to_tensor(x),
             positions=None if positions is None else ops.array(positions),
             length=length,
         )
-        self.assertIsNone(log_scale)
         self.assertEqual(feature_map.size, SIZES[name])
         self.assertEqual(tuple(features.shape), x.shape[:3] + (SIZES[name],))
         expected = _np_features(name, feature_map, x, positions, length)
@@ -279,6 +270,10 @@ class FeatureMapsTest(_TestCase):
         x = _inputs(NUM_HEADS)
         self.assertClose(restored(x), feature_map(x))
         self.assertIsInstance(maps.get(name, key_dim=KEY_DIM), MAPS[name])
+        # The public functions: a map's config dict resolves to its class.
+        loaded = maps.get(maps.serialize(feature_map), key_dim=KEY_DIM)
+        self.assertIsInstance(loaded, MAPS[name])
+        self.assertEqual(loaded.get_config(), config)
 
     @parameterized.named_parameters((name, name) for name in MAPS)
     def test_initial_far_log_scale(self, name):
@@ -289,7 +284,7 @@ class FeatureMapsTest(_TestCase):
         feature_map.build((None, None, 1, 16))
         q, k = np.random.default_rng(0).standard_normal((2, 1, 4000, 1, 16))
         phi_q, phi_k = (
-            _numpy(feature_map.features(ops.convert_to_tensor(x, DTYPE))[0])
+            _numpy(feature_map.features(ops.convert_to_tensor(x, DTYPE)))
             for x in (q, k)
         )
         log_ratio = np.log(np.mean(np.exp(np.sum(q * k, -1) / 4))) - np.log(
@@ -345,17 +340,52 @@ class FeatureMapsTest(_TestCase):
         self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-6)
 
 
+@saving.register_keras_serializable(package="linear_attention_test")
+class SquaredReLU(maps.FeatureMap):
+    """A user's map: `relu(x)^2 + epsilon`, one weight-free class."""
+
+    def features(self, x, positions=None, length=None):
+        return ops.square(ops.relu(x)) + self.epsilon
+
+
+class CustomFeatureMapTest(_TestCase):
+    def test_registered_subclass_saves_loads_and_streams(self):
+        def make():
+            return LinearAttention(
+                2, KEY_DIM, causal=True, feature_map=SquaredReLU(KEY_DIM)
+            )
+
+        inputs = layers.Input((None, 4))
+        model = models.Model(inputs, make()(inputs))
+        path = os.path.join(self.get_temp_dir(), "custom.keras")
+        model.save(path)
+        loaded = saving.load_model(path)
+        x = np.random.RandomState(0).normal(size=(BATCH, 7, 4))
+        x = x.astype("float32")
+        self.assertAllClose(loaded(x), model(x), atol=1e-6, rtol=1e-6)
+        layer = loaded.layers[-1]
+        self.assertIsInstance(layer.feature_map_layer, SquaredReLU)
+        # Two pieces carrying the state are one call over the whole row.
+        state = layer.get_initial_state(BATCH)
+        y1, state = layer(x[:, :3], initial_state=state, return_state=True)
+        y2, _ = layer(x[:, 3:], initial_state=state, return_state=True)
+        self.assertAllClose(
+            np.concatenate([y1, y2], axis=1), layer(x), atol=1e-5, rtol=1e-5
+        )
+
+
 class FavorPlusTest(_TestCase):
-    def test_stabilize(self):
+    def test_scaled_features(self):
         # Large inputs, so that the factor taken out is far from 1.
         feature_map = _map("favor_plus")
         x = _inputs(NUM_HEADS, scale=3.0)
         x = ops.convert_to_tensor(x)
-        features, log_scale = feature_map.features(x, stabilize=True)
+        features, log_scale = feature_map.scaled_features(x)
         self.assertEqual(tuple(log_scale.shape), tuple(x.shape[:3]))
         self.assertGreater(np.max(np.abs(_numpy(log_scale))), 1.0)
-        unstabilized, none = feature_map.features(x)
-        self.assertIsNone(none)
+        unstabilized = feature_map.features(x)
+        # The other maps take no factor out.
+        self.assertIsNone(_map("relu").scaled_features(x)[1])
         self.assertClose(
             _numpy(features) * np.exp(_numpy(log_scale))[..., None],
             unstabilized,
