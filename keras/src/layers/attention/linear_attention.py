@@ -834,7 +834,7 @@ class LinearAttention(Layer):
                 "with a feature map that streams (not 'cosformer'). "
                 f"Received: {type(ids).__name__} of dtype "
                 f"{getattr(ids, 'dtype', None)} and shape "
-                f"{getattr(ids, 'shape', None)}, feature_map="
+                f"{tuple(getattr(ids, 'shape', ()))}, feature_map="
                 f"{self.feature_map!r}"
             )
         if initial_state is None:

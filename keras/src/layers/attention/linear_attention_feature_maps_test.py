@@ -370,7 +370,7 @@ class CustomFeatureMapTest(_TestCase):
         y1, state = layer(x[:, :3], initial_state=state, return_state=True)
         y2, _ = layer(x[:, 3:], initial_state=state, return_state=True)
         self.assertAllClose(
-            np.concatenate([y1, y2], axis=1), layer(x), atol=1e-5, rtol=1e-5
+            ops.concatenate([y1, y2], axis=1), layer(x), atol=1e-5, rtol=1e-5
         )
 
 
