@@ -6,11 +6,10 @@
 # Used by `make test`, which sets up the venv and the upstream tree first.
 #
 # The runs go at the same time, each writing its own log, and each log is
-# printed whole as soon as its run is over. JAX's and PyTorch's runs are the
-# longest, and mostly single-threaded (XLA compiling; PyTorch on one thread),
-# so each is split over WORKERS pytest-xdist workers (whole files each),
-# which keep both cores busy once the other runs are over. (Wall times
-# include waiting for the CPU.)
+# printed whole as soon as its run is over. JAX's run is the longest and
+# mostly single-threaded XLA compiling, so it is split over JAX_WORKERS
+# pytest-xdist workers (whole files each), which keep both cores busy once
+# the other runs are over. (Wall times include waiting for the CPU.)
 # SERIAL=1 runs them one after the other, each in one process, with the
 # output as it comes.
 set -uo pipefail
@@ -20,7 +19,7 @@ PY=${PY:-.venv/bin/python}
 BACKENDS=${BACKENDS:-tensorflow jax torch numpy openvino}
 SERIAL=${SERIAL:-0}
 [ "$SERIAL" = 0 ] || SERIAL=1
-WORKERS=${WORKERS:-2}
+JAX_WORKERS=${JAX_WORKERS:-2}
 
 # The project's test files: tracked, or new and not ignored. Upstream's test
 # files are excluded by exact path (.git/info/exclude), so they never appear.
@@ -81,9 +80,8 @@ done
 start() {
   if [ "$1" = tooling ]; then
     run tooling tools/tests
-  elif [[ "$1" =~ ^(jax|torch)$ ]] && [ "$SERIAL" = 0 ] &&
-    [ "$WORKERS" -gt 1 ]; then
-    KERAS_BACKEND=$1 run "$1" -n "$WORKERS" --dist loadfile "${TESTS[@]}"
+  elif [ "$1" = jax ] && [ "$SERIAL" = 0 ] && [ "$JAX_WORKERS" -gt 1 ]; then
+    KERAS_BACKEND=jax run jax -n "$JAX_WORKERS" --dist loadfile "${TESTS[@]}"
   else
     KERAS_BACKEND=$1 run "$1" "${TESTS[@]}"
   fi
