@@ -273,7 +273,8 @@ class LinearAttention(Layer):
         if self.local_window is not None and not self.use_normalizer:
             raise ValueError(
                 "`local_window` needs `use_normalizer=True` (the window and "
-                f"the far part share it). Received: local_window={local_window}"
+                "the far part share it). Received: "
+                f"local_window={local_window}, use_normalizer={use_normalizer}"
             )
         self.conv_kernel_size = _optional_int(conv_kernel_size)
         self.decay = _check_decay(decay, self.num_key_value_heads, self.causal)
@@ -960,12 +961,16 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _is_integer(value, minimum):
-    """Whether `value` is an integer (NumPy's too, not a boolean) of at
-    least `minimum`."""
+def _is_real(value):
+    """Whether `value` is a real number (NumPy's too), not a boolean."""
     boolean = isinstance(value, (bool, np.bool_))
-    integer = isinstance(value, numbers.Integral) and not boolean
-    return integer and value >= minimum
+    return isinstance(value, numbers.Real) and not boolean
+
+
+def _is_integer(value, minimum):
+    """Whether `value` is an integer of at least `minimum`, not a boolean."""
+    integral = isinstance(value, numbers.Integral) and _is_real(value)
+    return integral and value >= minimum
 
 
 def _fits(shape, expected):
@@ -992,10 +997,7 @@ def _check_decay(decay, num_key_value_heads, causal):
     is_list = isinstance(decay, (list, tuple))
     values = list(decay) if is_list else [decay]
     if len(values) != (num_key_value_heads if is_list else 1) or not all(
-        isinstance(g, numbers.Real)
-        and not isinstance(g, (bool, np.bool_))
-        and 0 < g <= 1
-        for g in values
+        _is_real(g) and 0 < g <= 1 for g in values
     ):
         raise ValueError(
             "`decay` must be `None`, a float in (0, 1], a list of "

@@ -36,20 +36,16 @@ NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
 # (a learnable map or bandwidth per key/value head). Random Fourier
 # features estimate the normalizer, which can come near 0, where the
 # outputs would scale rounding by 1 / epsilon: hence a larger epsilon.
+GROUPED = {"num_heads": 4, "num_key_value_heads": 2}
 CONFIGS = {
     "elu_plus_one": {},
     "relu": {"feature_map": "relu"},
     "favor_plus": {"feature_map": "favor_plus", "num_features": 8},
     "hedgehog": {"feature_map": "hedgehog", "num_features": 8},
     "grouped": {"num_heads": 4, "num_key_value_heads": 1},
-    "grouped_hedgehog": {
-        "num_heads": 4,
-        "num_key_value_heads": 2,
-        "feature_map": "hedgehog",
-    },
+    "grouped_hedgehog": {**GROUPED, "feature_map": "hedgehog"},
     "grouped_random_fourier": {
-        "num_heads": 4,
-        "num_key_value_heads": 2,
+        **GROUPED,
         "feature_map": "random_fourier",
         "num_features": 8,
         "normalization_epsilon": 0.1,
@@ -58,11 +54,7 @@ CONFIGS = {
     "cosformer": {"feature_map": "cosformer"},
     # Its weights keep the positions in the call, masked steps included.
     "cosformer_conv": {"feature_map": "cosformer", "conv_kernel_size": 3},
-    "grouped_conv": {
-        "num_heads": 4,
-        "num_key_value_heads": 2,
-        "conv_kernel_size": 4,
-    },
+    "grouped_conv": {**GROUPED, "conv_kernel_size": 4},
 }
 
 # A window shorter than the convolution's reach, with gates from the input.
@@ -184,16 +176,13 @@ def _np_features(layer, y, is_query):
     The maps' formulas are checked in `linear_attention_feature_maps_test`;
     here they feed the sums of the core, which the reference recomputes.
     """
-    length = y.shape[1]
+    feature_map = layer.feature_map_layer
+    y = ops.convert_to_tensor(y, "float32")
+    args = (y, ops.arange(y.shape[1], dtype="float32"), y.shape[1])
     # FAVOR+'s per-token factor cancels in the normalized ratio only.
-    scaled = is_query and layer.use_normalizer
-    method = "scaled_features" if scaled else "features"
-    features = getattr(layer.feature_map_layer, method)(
-        ops.convert_to_tensor(y.astype("float32")),
-        positions=ops.arange(length, dtype="float32"),
-        length=length,
-    )
-    return _np(features[0] if scaled else features)
+    if is_query and layer.use_normalizer:
+        return _np(feature_map.scaled_features(*args)[0])
+    return _np(feature_map.features(*args))
 
 
 def _np_reference(layer, x, mask=None, initial_state=None, feature=None):
@@ -614,16 +603,10 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual(restored.get_config(), config)
         # The defaults.
         config = LinearAttention(2, 4).get_config()
-        self.assertEqual(config["normalization_epsilon"], 1e-6)
-        self.assertEqual(config["feature_map"], "elu_plus_one")
-        self.assertEqual(config["execution_mode"], "auto")
-        for name in (
-            "output_shape",
-            "decay",
-            "local_window",
-            "conv_kernel_size",
-        ):
-            self.assertIsNone(config[name], msg=name)
+        defaults = {"normalization_epsilon": 1e-6, "execution_mode": "auto"}
+        defaults.update(feature_map="elu_plus_one", output_shape=None)
+        defaults.update(decay=None, local_window=None, conv_kernel_size=None)
+        self.assertEqual({name: config[name] for name in defaults}, defaults)
         # NumPy values and tuples become Python values, so that the
         # configuration is JSON-serializable, and every form of `decay`
         # round-trips.
@@ -631,9 +614,10 @@ class LinearAttentionTest(testing.TestCase):
             (np.float32(0.5), 0.5),
             (1, 1.0),
             ((np.float64(0.9), 0.5), [0.9, 0.5]),
-            ("retnet", "retnet"),
-            ("learned", "learned"),
-            ("input_dependent", "input_dependent"),
+            *(
+                (name, name)
+                for name in ("retnet", "learned", "input_dependent")
+            ),
         ):
             layer = LinearAttention(
                 2, 4, causal=True, decay=decay, local_window=np.int64(8)
