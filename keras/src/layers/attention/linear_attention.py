@@ -688,17 +688,12 @@ class LinearAttention(Layer):
                 self._chunk_size,
             )
             return outputs, state
-        outputs, sums = core.causal(
-            query,
-            key,
-            value,
-            tuple(state[name] for name in _SUMS if name in state),
-            log_gates,
-            self._readout,
-            self._use_recurrent(query),
-            self._chunk_size,
-            documents,
-        )
+        sums = tuple(state[name] for name in _SUMS if name in state)
+        args = (query, key, value, sums, log_gates, self._readout)
+        if self._use_recurrent(query):
+            outputs, sums = core.stepwise(*args, documents)
+        else:
+            outputs, sums = core.chunkwise(*args, self._chunk_size, documents)
         return outputs, {**state, **dict(zip(_SUMS, sums))}
 
     def _local_window(
@@ -743,22 +738,17 @@ class LinearAttention(Layer):
                 [ops.zeros_like(valids), documents], axis=1
             )
         valids = ops.concatenate([valids, valid], axis=1)
+        recurrent_mode = self.causal and self._use_recurrent(query)
         outputs, last = core.local_window(
-            query * self.key_dim**-0.5,
-            query_features,
-            far_bias,
-            keys,
-            values,
-            valids,
+            (query * self.key_dim**-0.5, query_features, far_bias),
+            (keys, values, valids, documents),
             key_features,
             tuple(state[name] for name in _SUMS),
             self._readout,
             self.local_window,
             self._log_gates(valids, ops.swapaxes(keys, 1, 2)),
             causal_mode=self.causal,
-            recurrent_mode=self.causal and self._use_recurrent(query),
-            chunk=self._chunk_size,
-            documents=documents,
+            chunk=None if recurrent_mode else self._chunk_size,
             lengths=lengths if self.causal else None,
         )
         return outputs, {**state, **dict(zip(_SUMS + _WINDOW_STATE, last))}

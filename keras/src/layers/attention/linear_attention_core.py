@@ -11,8 +11,8 @@ Packed documents come as `documents` `(batch, time)`, a float count that
 grows by one where a document starts (the carried state is document 0),
 or `None`: a step reads only the steps of its own document.
 
-`linear_step` is the reference; `chunkwise` computes the same outputs
-chunk by chunk, and `recurrent` runs any step over a sequence.
+`linear_step` is the reference, which `stepwise` runs over a sequence;
+`chunkwise` computes the same outputs chunk by chunk.
 """
 
 import functools
@@ -43,12 +43,24 @@ def non_causal(
     query, key, value, readout, use_normalizer=True, documents=None, chunk=64
 ):
     """Every query attends to every key (of its document): two sums over
-    the sequence, or with `documents` a causal pass each way."""
+    the sequence, or with `documents` a causal pass each way, less each
+    step's own term, which both count."""
+    heads, group = key.shape[2], query.shape[2] // key.shape[2]
     if documents is not None:
-        return _non_causal_documents(
-            query, key, value, readout, use_normalizer, documents, chunk
-        )
-    query = _split_heads(query, key.shape[2])
+        args = (_zero_state(key, value, use_normalizer), None, None, chunk)
+        forward, _ = chunkwise(query, key, value, *args, documents)
+        flipped = [ops.flip(x, axis=1) for x in (query, key, value, documents)]
+        backward, _ = chunkwise(*flipped[:3], *args, flipped[3])
+        # A product and a sum: LiteRT has no builtin op for this einsum.
+        own = ops.sum(_split_heads(query, heads) * ops.expand_dims(key, 3), -1)
+        own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
+        numerator = forward[0] + ops.flip(backward[0], axis=1)
+        numerator -= ops.expand_dims(own, -1) * ops.repeat(value, group, 2)
+        denominator = None
+        if use_normalizer:
+            denominator = forward[1] + ops.flip(backward[1], axis=1) - own
+        return readout(numerator, denominator)
+    query = _split_heads(query, heads)
     key_value = ops.einsum("btkd,btke->bkde", key, value)
     numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
     denominator = None
@@ -59,51 +71,40 @@ def non_causal(
 
 
 def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
-    """Depthwise convolution over time of `x` `(batch, time, ...)` with
-    `kernel` `(width, ...)`, one filter per channel, `width >= 2`.
-
-    Causal when `previous`, the `width - 1` steps before `x`, is given:
-    `y_t = sum_j kernel_j x_(t - width + 1 + j)`; centred (zeros at both
-    ends, one more after than before for an even width) otherwise. With
-    `documents`, a step reads only steps of its own document. Returns `y`
-    and the last `width - 1` of the first `lengths` `(batch,)` steps (all
-    by default), of the last one's document (zeros for others): the next
-    call's `previous`.
-    """
+    """Depthwise convolution over time of `x` `(batch, time, ...)` by
+    `kernel` `(width, ...)`: causal after `previous` (the `width - 1` steps
+    before `x`), else centred between zeros; within `documents`. Returns
+    `y` and the next call's `previous`: the last `width - 1` of the first
+    `lengths` steps (all by default) of the last one's document."""
     width = kernel.shape[0]
     if previous is None:
         before = (width - 1) // 2
-        zeros = ops.zeros_like(x[:, :1])
-        padded = ops.concatenate(
-            [zeros] * before + [x] + [zeros] * (width - 1 - before), axis=1
-        )
+        padded = _append_zeros(_prepend_zeros(x, before), width - 1 - before)
     else:
         before = width - 1
         padded = ops.concatenate([previous, x], axis=1)
+    if documents is not None:
+        # The padding is document 0: the carried steps' (or zeros).
+        documents = _prepend_zeros(documents, before)
+        documents = _append_zeros(documents, width - 1 - before)
 
     def tap(x, j):
         # Slices that end relative to the end: no length enters the graph.
         return x[:, j : j - width + 1 or None]
 
-    if documents is None:
-        outputs = sum(kernel[j] * tap(padded, j) for j in range(width))
-        return outputs, _last_steps(padded, width - 1, lengths, before)
-    # The padding is document 0: the carried steps' (and zeros' otherwise).
-    documents = _prepend_zeros(documents, before)
-    documents = _append_zeros(documents, width - 1 - before)
-    outputs = sum(
-        kernel[j]
-        * tap(padded, j)
-        * _expand_like(tap(documents, j) == tap(documents, before), x)
-        for j in range(width)
-    )
+    outputs = 0
+    for j in range(width):
+        term = kernel[j] * tap(padded, j)
+        if documents is not None:
+            same = tap(documents, j) == tap(documents, before)
+            term = term * _expand_like(same, x)
+        outputs = outputs + term
     return outputs, _last_steps(padded, width - 1, lengths, before, documents)
 
 
 def unmasked_first(mask):
-    """The order of steps that puts each row's unmasked steps first, in
-    their order, then the masked ones; the order back; and the count of
-    unmasked steps per row."""
+    """The order that puts each row's unmasked steps first, the order back,
+    and the count of unmasked steps per row."""
     valid = ops.cast(mask, "int32")
     before = _cumsum(valid, 1)
     steps = _cumsum(ops.ones_like(valid), 1) - 1
@@ -136,9 +137,8 @@ def _take_steps(x, index):
 
 
 def count_documents(segment_ids, inputs, mask, lengths, carried_id, dtype):
-    """`documents` from `segment_ids` (the steps of each row's `lengths`
-    unmasked ones first), and the id of the last unmasked step; `None`
-    and `carried_id` without ids."""
+    """`documents` from `segment_ids` (or `None`), and the id of the last
+    unmasked step (or `carried_id`)."""
     if segment_ids is None:
         return None, carried_id
     # Tied to the inputs' batch size and length, which `torch.export` does
@@ -167,9 +167,8 @@ def steps_before(x, end, count):
 
 
 def _last_steps(x, count, lengths=None, offset=0, documents=None):
-    """The last `count` steps of `x` `(batch, time, ...)` before step
-    `lengths + offset` of each row (the end by default); with `documents`,
-    zeros for steps of another document than the last one's."""
+    """The last `count` steps of `x` before step `lengths + offset` (or
+    the end), zeros for steps of another document than the last one's."""
     if lengths is None:
         # Slices where every step counts: no length enters the graph.
         x, documents = (
@@ -202,8 +201,7 @@ def _expand_like(condition, x):
 
 
 def _starts(documents):
-    """1 where a document starts (the carried state is document 0), else
-    0."""
+    """1 where a document starts (the carried state is document 0)."""
     previous = _prepend_zeros(documents, 1)[:, :-1]
     return ops.cast(documents != previous, documents.dtype)
 
@@ -216,13 +214,10 @@ def _resets(documents, log_gates, heads):
 
 
 def linear_step(state, query, key, value, log_gate=None):
-    """One step of `S_t = exp(gate_t) S_(t-1) + phi(k_t)^T v_t` (and
-    `z_t = exp(gate_t) z_(t-1) + phi(k_t)`), read by `phi(q_t)`.
-
-    Takes `(batch, heads, ...)` features of one step; returns the new
-    state and the numerators and denominators `(batch, kv_heads, group,
-    ...)` of the query.
-    """
+    """One step of `S_t = exp(gate_t) S_(t-1) + phi(k_t)^T v_t` (and `z_t`
+    likewise with `phi(k_t)`) on `(batch, heads, ...)` features: the new
+    state and the query's numerators and denominators `(batch, kv_heads,
+    group, ...)`."""
     if log_gate is not None:
         gate = ops.expand_dims(ops.exp(log_gate), -1)
         state = (state[0] * ops.expand_dims(gate, -1),) + tuple(
@@ -257,23 +252,9 @@ def recurrent(step, initial_state, sequences):
     return swap_batch_and_time(outputs), state
 
 
-def causal(
-    query,
-    key,
-    value,
-    state,
-    log_gates,
-    readout,
-    recurrent_mode,
-    chunk,
-    documents=None,
-):
-    """Causal linear attention by steps or by chunks; returns the read
-    outputs `(batch, time, heads, value_dim)` and the last state."""
-    if not recurrent_mode:
-        return chunkwise(
-            query, key, value, state, log_gates, readout, chunk, documents
-        )
+def stepwise(query, key, value, state, log_gates, readout, documents=None):
+    """`linear_step` over a sequence: the read outputs `(batch, time,
+    heads, value_dim)` and the last state."""
     if documents is not None:
         log_gates = _resets(documents, log_gates, key.shape[2])
 
@@ -290,11 +271,9 @@ def causal(
 def chunkwise(
     query, key, value, state, log_gates, readout, chunk, documents=None
 ):
-    """The outputs of `linear_step` over a sequence, chunk by chunk: a
-    masked `(chunk, chunk)` product inside each, the entering state from
-    `prefix_over_chunks`. Without `readout`, the numerators and
-    denominators (`None` without the normalizer) instead of the outputs.
-    """
+    """`stepwise`'s outputs chunk by chunk: a masked product inside each,
+    the entering state from `prefix_over_chunks`; without `readout`, the
+    numerators and denominators (or `None`) instead."""
     batch, length = ops.shape(query)[:2]
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
     use_normalizer = len(state) == 2
@@ -329,48 +308,33 @@ def chunkwise(
         # Apart from the values: a column of ones appended to them makes
         # the products' sizes odd, which XLA runs slower.
         summaries += (ops.sum(key, axis=1),)
-    state, entering = zip(
-        *(
-            prefix_over_chunks(start, per_chunk(summary), chunk_gates)
-            for start, summary in zip(state, summaries)
-        )
-    )
-    state = tuple(state)
-    entering = [ops.reshape(x, (-1,) + tuple(x.shape[3:])) for x in entering]
+    prefixes = [
+        prefix_over_chunks(start, per_chunk(summary), chunk_gates)
+        for start, summary in zip(state, summaries)
+    ]
+    state = tuple(final for final, _ in prefixes)
+    entering = [ops.reshape(x, (-1,) + tuple(x.shape[3:])) for _, x in prefixes]
     numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
     denominator = None
     if use_normalizer:
         denominator = ops.sum(scores, axis=-1) + ops.einsum(
             "xcd,xd->xc", query, entering[1]
         )
-    outputs = _outputs_from_chunks(
-        numerator, denominator, readout, (batch, length, heads, chunk)
-    )
-    return outputs, state
-
-
-def _outputs_from_chunks(numerator, denominator, readout, shape):
-    """The outputs (or with no `readout` the numerators and denominators)
-    as `(batch, time, heads, ...)`, from rows of chunks."""
-    if readout is not None or denominator is None:
-        outputs = (
-            numerator if readout is None else readout(numerator, denominator)
-        )
-        outputs = _from_chunks(outputs, *shape)
-        return outputs if readout else (outputs, None)
+    shape = (batch, length, heads, chunk)
+    if readout is not None:
+        return _from_chunks(readout(numerator, denominator), *shape), state
+    if denominator is None:
+        return (_from_chunks(numerator, *shape), None), state
     # Rearranged together: a tensor of one feature would make PyTorch's
     # export specialize the length.
-    outputs = ops.concatenate(
-        [numerator, ops.expand_dims(denominator, -1)], axis=-1
-    )
-    outputs = _from_chunks(outputs, *shape)
-    return outputs[..., :-1], outputs[..., -1]
+    denominator = ops.expand_dims(denominator, -1)
+    both = _from_chunks(ops.concatenate([numerator, denominator], -1), *shape)
+    return (both[..., :-1], both[..., -1]), state
 
 
 def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
-    """Decay inside chunks: each score by the gates between its key and
-    query, the entering state up to each query, and each key up to the end
-    of its chunk; also returns the gate of each chunk."""
+    """Decays each score, the entering state up to each query and each key
+    to its chunk's end; also returns the gate of each chunk."""
     # (batch * kv_heads * chunks, chunk), in the order of the rows.
     heads, group = log_gates.shape[2], scores.shape[1]
     gates = _append_zeros(log_gates, _padding(length, chunk))
@@ -383,10 +347,9 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
 
 
 def _documents_in_chunks(documents, heads, chunk):
-    """Per row of chunks `(batch * heads * chunks, ...)`: which keys each
-    query reads `(chunk, chunk)`, which queries read the entering state,
-    which keys reach the chunk's end; and log-gates `(batch, heads,
-    chunks)` that stop the state at a chunk where a document starts."""
+    """Per row of chunks: which keys each query reads, which queries read
+    the entering state, which keys reach the chunk's end; and log-gates
+    `(batch, heads, chunks)` that stop the state where documents start."""
     # The documents started so far in each chunk; the padding starts none.
     starts = _starts(documents)
     starts = _append_zeros(starts, _padding(ops.shape(starts)[1], chunk))
@@ -401,42 +364,12 @@ def _documents_in_chunks(documents, heads, chunk):
     )
 
 
-def _non_causal_documents(
-    query, key, value, readout, use_normalizer, documents, chunk
-):
-    """Non-causal attention inside documents: a causal pass forward and one
-    backward, less each step's own term, which both count."""
-    heads = key.shape[2]
-    state = _zero_state(key, value, use_normalizer)
-    forward, _ = chunkwise(
-        query, key, value, state, None, None, chunk, documents
-    )
-    flipped = [ops.flip(x, axis=1) for x in (query, key, value, documents)]
-    backward, _ = chunkwise(*flipped[:3], state, None, None, chunk, flipped[3])
-    # A product and a sum: LiteRT has no builtin op for this einsum.
-    own = ops.sum(_split_heads(query, heads) * ops.expand_dims(key, 3), -1)
-    own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
-    numerator = forward[0] + ops.flip(backward[0], axis=1)
-    numerator = numerator - ops.expand_dims(own, -1) * ops.repeat(
-        value, query.shape[2] // heads, axis=2
-    )
-    denominator = None
-    if use_normalizer:
-        denominator = forward[1] + ops.flip(backward[1], axis=1) - own
-    return readout(numerator, denominator)
-
-
 def prefix_over_chunks(initial, summaries, chunk_gates=None):
-    """The state entering each chunk, and after the last: `initial` plus
-    the earlier `(batch, heads, chunks, ...)` summaries (each decayed to
-    its chunk's end), decayed by the `(batch, heads, chunks)` log-gates of
-    the chunks in between (or not, for `None`).
-
-    Two levels and no loop: inside blocks of `_PREFIX_BLOCK` chunks, and
-    across blocks, a product with a lower-triangular `decay_matrix`, which
-    is not causal for inf or nan summaries (only unmasked non-finite
-    inputs give those).
-    """
+    """The state after the last chunk and entering each: `initial` plus
+    the earlier `(batch, heads, chunks, ...)` summaries, decayed by the
+    `(batch, heads, chunks)` log-gates between (if any). Products with a
+    lower-triangular `decay_matrix`, inside blocks of `_PREFIX_BLOCK`
+    chunks and across them: no loop."""
     shape = ops.shape(summaries)
     rows, chunks = shape[0] * shape[1], shape[2]
     summaries = ops.reshape(summaries, (rows, chunks, -1))
@@ -459,21 +392,15 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     within = ops.reshape(within, ops.shape(summaries))
     # Across blocks: the state after each block (the first row is the
     # initial state).
-    totals = ops.concatenate(
-        [
-            ops.reshape(initial, (rows, 1, features)),
-            ops.reshape(block_totals, (rows, -1, features)),
-        ],
-        axis=1,
-    )
+    block_totals = ops.reshape(block_totals, (rows, -1, features))
+    initial_rows = ops.reshape(initial, (rows, 1, features))
+    totals = ops.concatenate([initial_rows, block_totals], axis=1)
     if gates is None:
         totals = _cumsum(totals, 1)
     else:
         block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
-        block_gates = ops.concatenate(
-            [ops.zeros((rows, 1), block_gates.dtype), block_gates], 1
-        )
-        totals = ops.einsum("xij,xjf->xif", decay_matrix(block_gates), totals)
+        decay = decay_matrix(_prepend_zeros(block_gates, 1))
+        totals = ops.einsum("xij,xjf->xif", decay, totals)
     # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
     # slice in the wrong place.
     earlier = ops.expand_dims(totals[:, :-1], 2)
@@ -492,9 +419,8 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
 
 def _within_blocks(blocks, gates):
     """For `(n, block, f)` summaries and `(n, block)` gates (or `None`):
-    the sum of the earlier chunks of the block entering each chunk, the
-    block's total at its end, and the decay from the block's start to each
-    chunk (`None` without gates)."""
+    the sums entering each chunk, the block's total, and the decay from
+    the block's start to each chunk (or `None`)."""
     if gates is None:
         block = blocks.shape[1]
         decay = ops.tril(ops.ones((block, block), blocks.dtype))
@@ -502,9 +428,7 @@ def _within_blocks(blocks, gates):
     else:
         decay = decay_matrix(gates)
     # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
-    strictly_lower = ops.concatenate(
-        [ops.zeros_like(decay[:, :1]), decay[:, :-1]], axis=1
-    )
+    strictly_lower = _prepend_zeros(decay, 1)[:, :-1]
     within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
     totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
     if gates is None:
@@ -516,12 +440,9 @@ def _within_blocks(blocks, gates):
 
 
 def decay_matrix(log_gates):
-    """`exp(sum of log_gates over steps j + 1 to i)` for `i >= j`, zero
-    above the diagonal: `(..., n)` -> `(..., n, n)`.
-
-    Each entry sums its own steps (a masked cumulative sum), never a
-    difference of long prefix sums, whose rounding grows with the length.
-    """
+    """`exp(sum of log_gates over steps j + 1 to i)` for `i >= j`, else 0:
+    `(..., n)` -> `(..., n, n)`; no difference of prefix sums, whose
+    rounding would grow with the length."""
     gates = ops.expand_dims(log_gates, -1) + ops.zeros_like(
         ops.expand_dims(log_gates, -2)
     )
@@ -538,51 +459,50 @@ def window_softmax(scores, allowed):
 
 
 def local_window(
-    query,
-    query_features,
-    far_bias,
-    keys,
-    values,
-    valids,
+    queries,
+    steps,
     key_features,
     far_state,
     readout,
     window,
     log_gates=None,
     causal_mode=True,
-    recurrent_mode=False,
-    chunk=64,
-    documents=None,
+    chunk=None,
     lengths=None,
 ):
-    """Softmax over the closest `window` steps, the plain algorithm on
-    the keys `window` steps back (non-causal: also on the reversed
-    sequence), under one normalizer; returns the outputs and the state
-    (far state, then the last `window` keys, values and valids of the
-    first `lengths` steps, all by default).
+    """Softmax over the closest `window` steps and the plain algorithm on
+    keys `window` steps back (non-causal: each way), under one normalizer,
+    by chunks or (`chunk=None`) by steps: the outputs and the state (far
+    sums, the last `window` keys, values and valids of the first `lengths`
+    steps).
 
-    `query`: divided by `sqrt(key_dim)`; `far_bias`: the far part's
-    log-weight per query. `keys`, `values` `(batch, kv_heads, window +
-    time, ...)`, `valids` and `log_gates`: the `window` steps before the
-    inputs, then the inputs, as `documents`. `key_features(keys,
-    positions)`: the features of keys at the given positions.
+    `queries`: the scaled queries, their features and the far part's
+    log-weight per query. `steps`: keys, values `(batch, kv_heads, window +
+    time, ...)`, valids and documents (or `None`), as `log_gates`: the
+    `window` steps before the inputs, then the inputs. `key_features(keys,
+    positions)`: the keys' features.
     """
+    keys, values, valids, documents = steps
     # Positions of the steps, as a sum rather than a range of a traced
     # length (which jax2onnx cannot convert).
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1 - window
     gates = None if log_gates is None else log_gates[:, window:]
     inputs = None if documents is None else documents[:, window:]
-    steps = (keys, values, valids, documents)
     far_keys, far_values = _delayed(
         steps, log_gates, key_features, positions, window
     )
-    if recurrent_mode:
-        step_inputs = (query, query_features, far_bias, far_keys, far_values)
+    if chunk is None:
+        # The window as a ring buffer in the state.
         if inputs is not None:
             gates = _resets(inputs, gates, keys.shape[1])
-        return _local_window_recurrent(
-            step_inputs, keys, values, valids, gates, far_state, readout, window
-        )
+        sequences = tuple(queries)
+        sequences += tuple(_heads_first(x[:, :, window:]) for x in steps[:2])
+        sequences += (valids[:, window:], far_keys, far_values)
+        sequences += () if gates is None else (gates,)
+        state = tuple(far_state) + tuple(x[:, :, :window] for x in steps[:2])
+        step = functools.partial(_local_window_step, readout=readout)
+        return recurrent(step, state + (valids[:, :window],), sequences)
+    query, query_features, far_bias = queries
     span = window if causal_mode else 2 * window - 1
     numerator, denominator, maximum = _window_chunkwise(
         query, keys, values, valids, window, span, chunk, documents
@@ -611,51 +531,33 @@ def _last_window(steps, window, lengths):
     return keys, values, last(valids, documents=documents)
 
 
-def _local_window_recurrent(
-    step_inputs, keys, values, valids, gates, far_state, readout, window
-):
-    """`local_window` step by step: the window as a ring buffer."""
-    query, query_features, far_bias, far_keys, far_values = step_inputs
-    step_inputs = (query, query_features, far_bias)
-    step_inputs += tuple(_heads_first(x[:, :, window:]) for x in (keys, values))
-    step_inputs += (valids[:, window:], far_keys, far_values)
-    step_inputs += () if gates is None else (gates,)
-    state = tuple(far_state)
-    state += (keys[:, :, :window], values[:, :, :window], valids[:, :window])
-    step = functools.partial(_local_window_step, readout=readout)
-    return recurrent(step, state, step_inputs)
-
-
 def _far_after(query_features, steps, key_features, window, chunk):
-    """The far part of non-causal queries: the keys at least `window`
-    steps after each query, as the causal far part of the reversed
-    sequence (whose positions count down)."""
+    """The far part of non-causal queries after them: the causal far part
+    of the reversed sequence (whose positions count down)."""
 
     def reverse(x, axis):
         # The `window` steps before the inputs stay first.
-        if x is None:
-            return None
         head = (slice(None),) * axis
-        return ops.concatenate(
-            [
-                x[head + (slice(None, window),)],
-                ops.flip(x[head + (slice(window, None),)], axis=axis),
-            ],
-            axis=axis,
-        )
+        inputs = ops.flip(x[head + (slice(window, None),)], axis=axis)
+        return ops.concatenate([x[head + (slice(window),)], inputs], axis)
 
     valids, documents = steps[2:]
-    steps = [reverse(x, axis) for x, axis in zip(steps, (2, 2, 1, 1))]
+    steps = [
+        x if x is None else reverse(x, axis)
+        for x, axis in zip(steps, (2, 2, 1, 1))
+    ]
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
     far_keys, far_values = _delayed(
         steps, None, key_features, ops.flip(positions, 0) + window, window
     )
     documents = None if documents is None else steps[3][:, window:]
+    query_features = ops.flip(query_features, axis=1)
+    state = _zero_state(far_keys, far_values, True)
     (numerator, denominator), _ = chunkwise(
-        ops.flip(query_features, axis=1),
+        query_features,
         far_keys,
         far_values,
-        _zero_state(far_keys, far_values, True),
+        state,
         None,
         None,
         chunk,
@@ -665,10 +567,9 @@ def _far_after(query_features, steps, key_features, window, chunk):
 
 
 def _delayed(steps, log_gates, key_features, positions, window):
-    """The feature-mapped keys and the values `window` steps back,
-    `(batch, time, kv_heads, ...)`, of the window's `steps` (keys, values,
-    valids, documents): zero where masked or of another document, decayed
-    by the gates since they arrived, as in the state of the plain layer."""
+    """The keys' features and values `window` steps back `(batch, time,
+    kv_heads, ...)`: zero where masked or of another document, decayed by
+    the gates since they arrived, as in the plain layer's state."""
     keys, values, valids, documents = steps
     length = ops.shape(valids)[1] - window
     keys, values = (_heads_first(x[:, :, :length]) for x in (keys, values))
@@ -686,9 +587,8 @@ def _delayed(steps, log_gates, key_features, positions, window):
 
 
 def _window_sums(log_gates, window):
-    """The sum of the gates over steps `t + 1` to `t + window`, for each
-    step `t`, from cumulative sums inside blocks of `window` steps, whose
-    rounding does not grow with the length."""
+    """The sum of the gates over steps `t + 1` to `t + window` for each
+    `t`, by blocks of `window` steps, so that rounding does not grow."""
     shape = ops.shape(log_gates)
     gates = _append_zeros(log_gates, _padding(shape[1], window))
     gates = ops.reshape(gates, (shape[0], -1, window, shape[2]))
@@ -703,22 +603,14 @@ def _local_window_step(state, inputs, readout):
     query, query_features, far_bias, key, value, valid = inputs[:6]
     if len(inputs) > 8:
         # A new document (a zero gate) empties the window.
-        new = inputs[8][:, :1] < _RESET / 2
-        valids = window_state[2]
-        window_state = window_state[:2] + (
-            ops.where(new, ops.zeros_like(valids), valids),
-        )
+        kept = ops.cast(inputs[8][:, :1] > _RESET / 2, valid.dtype)
+        window_state = window_state[:2] + (window_state[2] * kept,)
 
     def push(window, x):
         """Drops the oldest step of `window` and appends `x`, if valid."""
-        if len(window.shape) == 2:
-            pushed = ops.concatenate(
-                [window[:, 1:], ops.expand_dims(x, 1)], axis=1
-            )
-        else:
-            pushed = ops.concatenate(
-                [window[:, :, 1:], ops.expand_dims(x, 2)], axis=2
-            )
+        axis = min(len(window.shape) - 1, 2)
+        rest = window[:, 1:] if axis == 1 else window[:, :, 1:]
+        pushed = ops.concatenate([rest, ops.expand_dims(x, axis)], axis=axis)
         keep = ops.reshape(valid > 0, (-1,) + (1,) * (len(window.shape) - 1))
         return ops.where(keep, pushed, window)
 
@@ -746,14 +638,10 @@ def _local_window_step(state, inputs, readout):
 def _window_chunkwise(
     query, keys, values, valids, window, span, chunk, documents=None
 ):
-    """The window part of `local_window`, chunk by chunk.
-
-    Step `t` of `query` attends to steps `t + 1` to `t + span` of `keys`
-    and `values`, `(batch, kv_heads, steps, ...)`, and `valids`, `(batch,
-    steps)`, which begin `window` steps before `query`. Returns the
-    numerators, denominators and softmax stabilizers, `(batch, time,
-    heads, ...)`.
-    """
+    """The window part of `local_window` by chunks: step `t` of `query`
+    attends to steps `t + 1` to `t + span` of the `keys`, `values` and
+    `valids`, which begin `window` steps before it. Returns numerators,
+    denominators and stabilizers `(batch, time, heads, ...)`."""
     batch, length = ops.shape(query)[:2]
     heads, group = keys.shape[1], query.shape[2] // keys.shape[1]
     # Each query chunk reads this many key chunks, from its own on.
@@ -783,9 +671,7 @@ def _window_chunkwise(
     )
     # Query c of a chunk and key s of its blocks are steps c and
     # s - window of the chunk.
-    offset = ops.expand_dims(ops.arange(blocks * chunk), 0) - ops.expand_dims(
-        ops.arange(chunk), 1
-    )
+    offset = ops.arange(blocks * chunk) - ops.expand_dims(ops.arange(chunk), 1)
     band = ops.logical_and(offset > 0, offset <= span)
     allowed = ops.logical_and(
         band, ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
@@ -802,13 +688,8 @@ def _window_chunkwise(
     denominator = ops.sum(weights, axis=-1, keepdims=True)
     maximum = ops.reshape(maximum, (-1, group * chunk, 1))
     # Rearranged together, as in `chunkwise`.
-    outputs = _from_chunks(
-        ops.concatenate([numerator, denominator, maximum], axis=-1),
-        batch,
-        length,
-        heads,
-        chunk,
-    )
+    outputs = ops.concatenate([numerator, denominator, maximum], axis=-1)
+    outputs = _from_chunks(outputs, batch, length, heads, chunk)
     return outputs[..., :-2], outputs[..., -2], outputs[..., -1]
 
 
@@ -833,12 +714,9 @@ def _merge_heads(x):
 
 
 def _to_chunks(x, kv_heads, chunk):
-    """`(b, t, heads, f)` -> `(b * kv_heads * chunks, group * c, f)`.
-
-    Zero steps pad `x` to whole chunks. Each row block is one chunk of
-    one key/value head, with the query heads that share it stacked along
-    the rows, so that every product is one batched matrix product.
-    """
+    """`(b, t, heads, f)` -> `(b * kv_heads * chunks, group * c, f)`,
+    padded with zeros: one chunk of a key/value head per row block, its
+    query heads stacked, so that each product is one batched product."""
     group = x.shape[2] // kv_heads
     x = _append_zeros(x, _padding(ops.shape(x)[1], chunk))
     shape = ops.shape(x)
@@ -861,13 +739,10 @@ def _from_chunks(x, batch, length, kv_heads, chunk):
 
 
 def _padding(size, multiple):
-    """How many entries make `size` a multiple of `multiple`.
-
-    Written as `multiple * ceil(size / multiple) - size` so that a padded
-    symbolic size (`jax.export` with an unknown length) is visibly a
-    multiple, which the reshapes into chunks need; the ceiling divides
-    non-negative numbers only, since OpenVINO's integer `//` truncates.
-    """
+    """How many entries make `size` a multiple of `multiple`: as
+    `multiple * ceil(size / multiple) - size`, visibly a multiple for
+    `jax.export`'s symbolic sizes; no negative `//`, which OpenVINO
+    truncates."""
     padding = multiple * ((size + multiple - 1) // multiple) - size
     if backend.backend() == "torch" and not isinstance(size, int):
         # PyTorch specializes symbolic sizes of 0 or 1 while tracing; one
@@ -877,11 +752,8 @@ def _padding(size, multiple):
 
 
 def _append_zeros(x, count):
-    """`x` with `count` zero entries appended along axis 1.
-
-    Not `ops.pad`, which names a new `Operation` on every call: a global
-    counter on which `torch.compile` guards, compiling again each call.
-    """
+    """`x` with `count` zero entries appended along axis 1; not `ops.pad`,
+    whose new `Operation` name each call makes `torch.compile` recompile."""
     if isinstance(count, int) and not count:
         return x
     shape = ops.shape(x)
@@ -907,13 +779,9 @@ def _cumsum(x, axis):
 
 
 def _scan(step, initial_state, sequences):
-    """`ops.scan` over tuples of a known length, with per-step outputs
-    unlike the carry.
-
-    Workaround: TensorFlow's `ops.scan` shapes its per-step outputs like
-    the carry and sets no `maximum_iterations`, which XLA needs to
-    differentiate the loop; TensorFlow runs its own `while_loop` here.
-    """
+    """`ops.scan` with per-step outputs unlike the carry. Workaround:
+    TensorFlow's shapes them like the carry and sets no
+    `maximum_iterations`, which XLA needs for gradients."""
     if backend.backend() != "tensorflow":
         return ops.scan(step, initial_state, sequences)
 

@@ -80,15 +80,17 @@ class LinearAttentionCoreTest(testing.TestCase):
             np.zeros((BATCH, KV_HEADS, FEATURES, VALUE_DIM), "float32"),
             np.zeros((BATCH, KV_HEADS, FEATURES), "float32"),
         )
-        outputs, final = core.causal(
+        args = [
             *(ops.convert_to_tensor(x, "float32") for x in (query, key, value)),
             tuple(ops.convert_to_tensor(s) for s in state),
             ops.convert_to_tensor(log_gates, "float32") if decay else None,
             _readout,
-            recurrent_mode,
-            CHUNK,
-            ops.convert_to_tensor(DOCUMENTS) if packed else None,
-        )
+        ]
+        if not recurrent_mode:
+            args.append(CHUNK)
+        documents_tensor = ops.convert_to_tensor(DOCUMENTS) if packed else None
+        algorithm = core.stepwise if recurrent_mode else core.chunkwise
+        outputs, final = algorithm(*args, documents_tensor)
         weights = _np_causal_weights(log_gates, documents)
         self.assertClose(outputs, _np_attention(query, key, value, weights))
         # The final sums: the last step's document, decayed to its end.
@@ -179,13 +181,13 @@ class LinearAttentionCoreTest(testing.TestCase):
             # The features of the raw keys, at any steps: `1 + relu`.
             return 1.0 + ops.relu(keys)
 
+        tensors = [
+            ops.convert_to_tensor(x, "float32")
+            for x in (raw_query, query, far_bias, keys, values, valids)
+        ]
         outputs, _ = core.local_window(
-            ops.convert_to_tensor(raw_query, "float32"),
-            ops.convert_to_tensor(query, "float32"),
-            ops.convert_to_tensor(far_bias, "float32"),
-            ops.convert_to_tensor(keys, "float32"),
-            ops.convert_to_tensor(values, "float32"),
-            ops.convert_to_tensor(valids, "float32"),
+            tensors[:3],
+            tensors[3:] + [None],
             key_features,
             (
                 ops.zeros((BATCH, KV_HEADS, FEATURES, VALUE_DIM)),
@@ -194,8 +196,7 @@ class LinearAttentionCoreTest(testing.TestCase):
             _readout,
             window,
             causal_mode=causal,
-            recurrent_mode=recurrent_mode,
-            chunk=CHUNK,
+            chunk=None if recurrent_mode else CHUNK,
         )
         # Softmax weights for keys closer than `window` (causal: the last
         # `window`), the feature map's products beyond, by exp(far_bias).
