@@ -49,33 +49,36 @@ FILE_NAMES = {
     "litert": "model.tflite",
     "torch": "model.pt2",
 }
-# Each feature map, execution mode and option at least once; `masked`:
-# token inputs through `Embedding(mask_zero=True)`.
+# Each feature map, execution mode and option at least once, combined so
+# that each export is worth its time; `masked`: token inputs through
+# `Embedding(mask_zero=True)`; `packed`: `segment_ids` as a second input.
 CONFIGS = {
-    "non_causal": {},
-    "causal": {"causal": True},
-    "recurrent_relu": {
+    "non_causal_relu": {"feature_map": "relu"},
+    "causal_taylor_decay": {
+        "causal": True,
+        "feature_map": "taylor",
+        "decay": 0.9,
+    },
+    "recurrent_favor_plus": {
         "causal": True,
         "execution_mode": "recurrent",
-        "feature_map": "relu",
-    },
-    "parallel_favor_plus": {
-        "causal": True,
-        "execution_mode": "parallel",
         "feature_map": "favor_plus",
         "num_features": 16,
     },
-    "hedgehog_grouped_gated": {
+    "parallel_hedgehog_grouped_gated": {
         "causal": True,
+        "execution_mode": "parallel",
         "feature_map": "hedgehog",
         "num_key_value_heads": 2,
         "decay": "input_dependent",
     },
-    "random_fourier_local_window_non_causal": {
+    "masked_packed_random_fourier_local_window_conv_non_causal": {
         "feature_map": "random_fourier",
         "local_window": 5,
+        "conv_kernel_size": 4,
+        "masked": True,
+        "packed": True,
     },
-    "taylor_decay": {"causal": True, "feature_map": "taylor", "decay": 0.9},
     "masked_local_window_decay_learned_conv": {
         "causal": True,
         "local_window": 5,
@@ -83,8 +86,6 @@ CONFIGS = {
         "conv_kernel_size": 3,
         "masked": True,
     },
-    "masked_non_causal_conv": {"masked": True, "conv_kernel_size": 4},
-    # `packed`: `segment_ids` as a second input.
     "packed_local_window_gated_conv": {
         "causal": True,
         "local_window": 5,
@@ -92,9 +93,11 @@ CONFIGS = {
         "conv_kernel_size": 3,
         "packed": True,
     },
-    "packed_non_causal": {"packed": True},
 }
-DECODE_CONFIGS = ("causal", "masked_local_window_decay_learned_conv")
+DECODE_CONFIGS = (
+    "causal_taylor_decay",
+    "masked_local_window_decay_learned_conv",
+)
 
 
 def _upstream_failure(format, kwargs):

@@ -435,7 +435,10 @@ class LinearAttentionTest(testing.TestCase):
             outputs = layer(x[row : row + 1, kept], return_state=causal)
             alone.append((row, kept, outputs[0] if causal else outputs))
             final[row] = outputs[1] if causal else None
-        for mode in ("parallel", "recurrent") if causal else ("auto",):
+        modes = (
+            HYBRID_MODES if layer.local_window else ("parallel", "recurrent")
+        )
+        for mode in modes if causal else ("auto",):
             layer.execution_mode = mode
             y = layer(
                 x, mask=mask, return_state=causal, segment_ids=segment_ids
