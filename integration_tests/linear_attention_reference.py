@@ -230,21 +230,37 @@ def np_reference(layer, x, mask=None, initial_state=None, feature=None):
     """
     w = np_weights(layer)
     x = np.asarray(x, "float64")
+    valid = np.ones(x.shape[:2], bool) if mask is None else mask
+    valid = np.broadcast_to(np.asarray(valid, bool), x.shape[:2])
+    names = list(layer._state_shapes()) if layer.causal else []
+    given = dict(zip(names, initial_state or ()))
+    convolved = {}
+
+    def project(name):
+        y = np_project(layer, w, x, name)
+        if layer.conv_kernel_size:
+            state = "conv_queries" if name == "query" else f"conv_{name}s"
+            y, convolved[state] = np_convolve(
+                y,
+                w[f"{name}_conv_kernel"],
+                given.get(state),
+                layer.causal,
+                valid,
+            )
+        return y
 
     def phi(y, is_query):
         if feature is not None:
             return feature(y)
         return np_feature(layer, w, y, is_query)
 
-    query = phi(np_project(layer, w, x, "query"), True)
-    projected_key = np_project(layer, w, x, "key")
+    query = phi(project("query"), True)
+    projected_key = project("key")
     key = phi(projected_key, False)
-    value = np_project(layer, w, x, "value")
+    value = project("value")
     # Query head i attends with key/value head i // group.
     group = layer.num_heads // layer.num_key_value_heads
     key, value = np.repeat(key, group, 2), np.repeat(value, group, 2)
-    valid = np.ones(x.shape[:2], bool) if mask is None else mask
-    valid = np.broadcast_to(np.asarray(valid, bool), x.shape[:2])
     key = key * valid[..., None, None]
     value = value * valid[..., None, None]
     key_value = np.einsum("bthd,bthe->bthde", key, value)
@@ -287,7 +303,32 @@ def np_reference(layer, x, mask=None, initial_state=None, feature=None):
         return outputs, None
     # One state per key/value head (equal within a group).
     state = (s[:, -1, ::group], z[:, -1, ::group])
-    return outputs, state[: 2 if layer.use_normalizer else 1]
+    state = state[: 2 if layer.use_normalizer else 1]
+    return outputs, state + tuple(convolved[n] for n in names if n in convolved)
+
+
+def np_convolve(x, kernel, previous, causal, valid):
+    """`y_t = sum_j kernel_j x_(t + j - offset)` over each row's unmasked
+    steps (masked ones are not there), causal (`previous` before them) or
+    centred, zeros beyond; and the last `width - 1` unmasked steps."""
+    width = len(kernel)
+    offset = width - 1 if causal else (width - 1) // 2
+    zeros = np.zeros((width - 1,) + x.shape[2:])
+    y, last = np.zeros_like(x), []
+    for b in range(x.shape[0]):
+        before = zeros
+        if previous is not None:
+            before = np.asarray(backend.convert_to_numpy(previous), "float64")[
+                b
+            ]
+        kept = np.flatnonzero(valid[b])
+        # Unmasked step `i` at `i + width - 1`.
+        steps = np.concatenate([before, x[b, kept], zeros])
+        for i, t in enumerate(kept):
+            for j in range(width):
+                y[b, t] += kernel[j] * steps[i + j - offset + width - 1]
+        last.append(steps[len(kept) : len(kept) + width - 1])
+    return y, np.stack(last)
 
 
 def np_hybrid_reference(layer, x, mask=None, initial_state=None):

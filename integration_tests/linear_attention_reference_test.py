@@ -1,11 +1,11 @@
 """`keras.layers.LinearAttention` against its float64 NumPy reference.
 
-The unit test checks the layer's core against a compact reference that
-takes the feature maps from the layer. Here the full reference of
-`linear_attention_reference.py`, with each map's formula written out,
-checks every feature map, head layout, normalizer and decay, float64
-layers to summation order, the hybrid (`local_window`) with its far part,
-and long sequences across blocks of the chunked prefix sum.
+The core's test checks each algorithm against its formula. Here the
+reference of `linear_attention_reference.py`, with each map's formula
+written out, checks the whole layer: every feature map, head layout,
+normalizer, decay and the short convolution, float64 layers to summation
+order, the hybrid (`local_window`) with its far part, and long sequences
+across blocks of the chunked prefix sum.
 """
 
 import numpy as np
@@ -17,7 +17,6 @@ from linear_attention_reference import INPUT_DIM
 from linear_attention_reference import KEY_DIM
 from linear_attention_reference import LENGTH
 from linear_attention_reference import NUM_HEADS
-from linear_attention_reference import VALUE_DIM
 from linear_attention_reference import assign_far_log_scale
 from linear_attention_reference import float64_enabled
 from linear_attention_reference import hybrid_mask
@@ -32,7 +31,6 @@ from linear_attention_reference import np_weights
 from linear_attention_reference import random_inputs
 
 from keras.src import backend
-from keras.src import layers
 from keras.src import testing
 
 # float32 layer against the float64 reference, and two float32 algorithms
@@ -53,6 +51,18 @@ CAUSAL_MODES = (
 )
 
 
+# The short convolution, on grouped heads and on cosFormer (whose weights
+# keep the call's positions, masked steps included).
+CONVOLUTIONS = {
+    "grouped_conv": {
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "conv_kernel_size": 4,
+    },
+    "cosformer_conv": {"feature_map": "cosformer", "conv_kernel_size": 3},
+}
+
+
 class LinearAttentionReferenceTest(testing.TestCase):
     def assertClose(self, actual, expected, tol=FLOAT32_TOL, msg=None):
         self.assertAllClose(actual, expected, atol=tol, rtol=tol, msg=msg)
@@ -60,7 +70,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
     @parameterized.named_parameters(
         [
             (f"{config}_{causal}_{normalizer}", config, causal, normalizer)
-            for config in CONFIGS
+            for config in list(CONFIGS) + list(CONVOLUTIONS)
             for causal in ("non_causal", "causal")
             for normalizer in ("normalized", "unnormalized")
         ]
@@ -68,7 +78,10 @@ class LinearAttentionReferenceTest(testing.TestCase):
     def test_matches_reference(self, config, causal, normalizer):
         causal = causal == "causal"
         layer = make_layer(
-            config, causal=causal, use_normalizer=normalizer == "normalized"
+            config,
+            causal=causal,
+            use_normalizer=normalizer == "normalized",
+            **CONVOLUTIONS.get(config, {}),
         )
         x = random_inputs()
         mask = np.ones((BATCH, LENGTH), bool)
@@ -447,47 +460,3 @@ class LinearAttentionReferenceTest(testing.TestCase):
                 self.assertHybridStateClose(
                     final_state, expected_state, FLOAT64_TOL, msg=config
                 )
-
-    @parameterized.named_parameters(
-        ("causal_window_of_length", True, LENGTH, None),
-        ("non_causal_window_over_length", False, 100, None),
-        ("causal_band_without_far_part", True, 5, -1e4),
-        ("non_causal_band_without_far_part", False, 5, -1e4),
-    )
-    def test_hybrid_reference_matches_multi_head_attention(
-        self, causal, window, far_log_scale
-    ):
-        # The reference against upstream softmax attention with the same
-        # projections, as the unit test checks the layer (and
-        # an epsilon far below the denominators, as softmax has none): a
-        # window over the whole sequence is exact softmax attention, and a
-        # far part scaled to zero is softmax attention in a band.
-        layer = make_layer(
-            causal=causal, local_window=window, normalization_epsilon=1e-12
-        )
-        # A far scale that must not matter where the far part is empty.
-        assign_far_log_scale(layer, far_log_scale)
-        x = random_inputs()
-        mha = layers.MultiHeadAttention(NUM_HEADS, KEY_DIM, VALUE_DIM)
-        mha.build(x.shape, x.shape)
-        for name in ("query", "key", "value", "output"):
-            getattr(mha, f"_{name}_dense").set_weights(
-                getattr(layer, f"_{name}_dense").get_weights()
-            )
-        distance = np.arange(LENGTH)[:, None] - np.arange(LENGTH)
-        # With the scores returned, MultiHeadAttention takes its explicit
-        # softmax path: JAX's fused one needs value_dim == key_dim.
-        if window >= LENGTH:
-            expected, _ = mha(
-                x, x, use_causal_mask=causal, return_attention_scores=True
-            )
-        else:
-            band = np.abs(distance) < window
-            if causal:
-                band = band & (distance >= 0)
-            band = np.broadcast_to(band, (BATCH, LENGTH, LENGTH))
-            expected, _ = mha(
-                x, x, attention_mask=band, return_attention_scores=True
-            )
-        expected = backend.convert_to_numpy(expected)
-        self.assertClose(np_hybrid_reference(layer, x)[0], expected)
