@@ -603,8 +603,8 @@ class LinearAttentionTest(testing.TestCase):
     @parameterized.named_parameters(CAUSAL_CASES)
     def test_full_chunked_and_token_by_token_agree(self, config, kwargs):
         # Full calls against streams: two chunks of the parallel
-        # algorithm, the second one partial; pieces that end before and on
-        # a chunk edge, shorter and longer than a window, and single
+        # algorithm, the second one partial; pieces that end before, on and
+        # after a chunk edge, shorter and longer than a window, and single
         # tokens (the recurrent step), past a short window. Then the
         # parallel and recurrent algorithms' gradients.
         layer = _layer(config, causal=True, **kwargs)
@@ -627,6 +627,7 @@ class LinearAttentionTest(testing.TestCase):
             full, full_state = layer(x, mask=step_mask, return_state=True)
             for sizes in (
                 [chunk, 3],
+                [chunk + 1, 2],
                 [5, chunk - 10, 8],
                 [1] * tokens + [length - tokens],
             ):
