@@ -60,10 +60,11 @@ CONFIGS = {
 # A window shorter than the convolution's reach, with gates from the input.
 HYBRID_DECAY = {"local_window": 3, "decay": "input_dependent"}
 
-# OpenVINO unrolls the recurrent scan, whose hybrid step then compiles for
-# tens of seconds at LENGTH, so there only single tokens check the step
-# (test_full_chunked_and_token_by_token_agree).
-HYBRID_MODES = (
+# OpenVINO unrolls the recurrent scan, which then compiles for tens of
+# seconds at LENGTH (a minute with the hybrid's step): there, calls of
+# LENGTH run the parallel algorithm only, and single tokens check the step
+# (test_full_chunked_and_token_by_token_agree, test_segment_ids).
+MODES = (
     ("parallel",)
     if backend.backend() == "openvino"
     else ("parallel", "recurrent")
@@ -298,18 +299,29 @@ class LinearAttentionTest(testing.TestCase):
     def assertPiecesAlone(self, layer, x, mask, segment_ids):
         """Each document of each row (the row without `segment_ids`) without
         its masked steps, alone, against the rows: outputs and the last
-        document's final state, by each algorithm; returns the rows' state."""
-        causal, final = layer.causal, {}
-        alone = []
+        document's final state, by each algorithm; returns the rows' state.
+
+        The pieces run as rows of their own, right-padded to the rows'
+        length (a masked step is not there), so that they reuse the rows'
+        shapes, which eager JAX and OpenVINO compile once each.
+        """
+        causal, final, alone = layer.causal, {}, []
         ids = np.zeros(mask.shape) if segment_ids is None else segment_ids
-        for row, kept in _documents(ids, mask):
-            outputs = layer(x[row : row + 1, kept], return_state=causal)
-            alone.append((row, kept, outputs[0] if causal else outputs))
-            final[row] = outputs[1] if causal else None
-        modes = (
-            HYBRID_MODES if layer.local_window else ("parallel", "recurrent")
-        )
-        for mode in modes if causal else ("auto",):
+        pieces = list(_documents(ids, mask))
+        for start in range(0, len(pieces), len(x)):
+            rows = np.zeros_like(x)
+            valid = np.zeros(mask.shape, bool)
+            for i, (row, kept) in enumerate(pieces[start : start + len(x)]):
+                rows[i, : len(kept)] = x[row, kept]
+                valid[i, : len(kept)] = True
+            outputs = layer(rows, mask=valid, return_state=causal)
+            y, state = outputs if causal else (outputs, None)
+            y = backend.convert_to_numpy(y)
+            for i, (row, kept) in enumerate(pieces[start : start + len(x)]):
+                alone.append((row, kept, y[i : i + 1, : len(kept)]))
+                if causal:
+                    final[row] = [s[i : i + 1] for s in state]
+        for mode in MODES if causal else ("auto",):
             layer.execution_mode = mode
             y = layer(
                 x, mask=mask, return_state=causal, segment_ids=segment_ids
@@ -670,7 +682,7 @@ class LinearAttentionTest(testing.TestCase):
             plain = _layer(causal=True, decay=decay)
             for v in plain.weights:
                 v.assign(weights[v.path[len(plain.path) :]])
-            for mode in ("parallel", "recurrent"):
+            for mode in MODES:
                 gated.execution_mode = plain.execution_mode = mode
                 expected = plain(_inputs(), mask=_mask(), return_state=True)
                 actual = gated(_inputs(), mask=_mask(), return_state=True)
@@ -714,7 +726,7 @@ class LinearAttentionTest(testing.TestCase):
             attention_mask=np.broadcast_to(band, (BATCH, LENGTH, LENGTH)),
             return_attention_scores=True,
         )
-        for mode in HYBRID_MODES:
+        for mode in MODES:
             layer.execution_mode = mode
             self.assertClose(layer(x), expected, msg=mode)
 
