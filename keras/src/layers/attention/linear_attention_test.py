@@ -89,7 +89,6 @@ CAUSAL_CASES = [
     ("decay_learned_fourier", "grouped_random_fourier", {"decay": "learned"}),
     ("decay_input_grouped_conv", "grouped_conv", {"decay": "input_dependent"}),
     ("hybrid_1_favor_plus", "favor_plus", {"local_window": 1}),
-    ("hybrid_20_grouped_hedgehog", "grouped_hedgehog", {"local_window": 20}),
     ("hybrid_100_grouped", "grouped", {"local_window": 100}),
     (
         "hybrid_5_decay_learned_fourier",
