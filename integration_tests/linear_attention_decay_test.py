@@ -481,12 +481,21 @@ class LinearAttentionDecayTest(testing.TestCase):
     def test_decayed_hybrid_left_padded_generation_matches_each_prompt_alone(
         self,
     ):
-        # With `local_window`, the window holds the last W positions, masked
-        # ones too: a pause or padding after a prefix would change which
-        # keys are in it, so here the padding comes first, as in generation
-        # from scratch. The prompts outlast the window, so that decayed
-        # keys leave it for the far state.
-        layer = make_layer(causal=True, local_window=4, decay="learned")
+        # Prompts shorter and longer than the window, left-padded into one
+        # batch, then single tokens with the carried state, as in
+        # generation: each prompt's outputs and state alone. The prompts
+        # outlast the window, so that decayed keys leave it for the far
+        # state; grouped heads and FAVOR+ features, whose query factor the
+        # window does not share.
+        layer = make_layer(
+            causal=True,
+            local_window=4,
+            decay="learned",
+            num_heads=4,
+            num_key_value_heads=2,
+            feature_map="favor_plus",
+            num_features=8,
+        )
         assign_far_log_scale(layer)
         # Away from the RetNet start, so that keys decay within a prompt.
         gamma = np.array([0.6, 0.85])

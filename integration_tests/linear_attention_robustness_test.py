@@ -40,11 +40,9 @@ from linear_attention_reference import LENGTH
 from linear_attention_reference import NUM_HEADS
 from linear_attention_reference import VALUE_DIM
 from linear_attention_reference import assert_close
-from linear_attention_reference import assign_far_log_scale
 from linear_attention_reference import float64_enabled
 from linear_attention_reference import layer_gradients
 from linear_attention_reference import make_layer
-from linear_attention_reference import masked_hybrid_state
 from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
 from linear_attention_reference import np_weights
@@ -2049,68 +2047,6 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         self.assertLen(graphs, compiled_graphs)
 
     # Hybrid attention (`local_window`).
-
-    def test_hybrid_left_padded_generation_matches_each_prompt_alone(self):
-        # Prompts shorter and longer than the window, left-padded into one
-        # batch whose padding holds NaN and large values, then steps of one
-        # token with the carried state, as in generation: the outputs and
-        # states are those of each prompt alone.
-        layer = make_layer(
-            causal=True,
-            local_window=8,
-            **CONFIGS["grouped"],
-            **CONFIGS["favor_plus"],
-        )
-        assign_far_log_scale(layer)
-        lengths, steps = (3, 11), 6
-        longest = max(lengths)
-        prompts = [
-            random_inputs((1, n, INPUT_DIM), seed=10 + i)
-            for i, n in enumerate(lengths)
-        ]
-        tokens = random_inputs((len(lengths), steps, INPUT_DIM), seed=20)
-        padded = np.full((len(lengths), longest, INPUT_DIM), 1e4, "float32")
-        padded[:, 0] = np.nan
-        mask = np.zeros((len(lengths), longest), bool)
-        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-            padded[i, longest - n :] = prompt[0]
-            mask[i, longest - n :] = True
-        y, state = layer(padded, mask=mask, return_state=True)
-        batch_outputs = [backend.convert_to_numpy(y)]
-        for k in range(steps):
-            y, state = layer(
-                tokens[:, k : k + 1], initial_state=state, return_state=True
-            )
-            batch_outputs.append(backend.convert_to_numpy(y))
-        self.assertTrue(np.all(np.isfinite(np.concatenate(batch_outputs, 1))))
-        batch_state = masked_hybrid_state(state)
-        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-            message = f"prompt {i} ({n} steps)"
-            y, alone_state = layer(prompt, return_state=True)
-            assert_close(
-                batch_outputs[0][i : i + 1, longest - n :],
-                y,
-                FLOAT32_PARITY_RTOL,
-                message,
-            )
-            for k in range(steps):
-                y, alone_state = layer(
-                    tokens[i : i + 1, k : k + 1],
-                    initial_state=alone_state,
-                    return_state=True,
-                )
-                assert_close(
-                    batch_outputs[k + 1][i : i + 1],
-                    y,
-                    FLOAT32_PARITY_RTOL,
-                    f"{message}, step {k}",
-                )
-            for actual, expected in zip(
-                batch_state, masked_hybrid_state(alone_state)
-            ):
-                assert_close(
-                    actual[i : i + 1], expected, FLOAT32_PARITY_RTOL, message
-                )
 
     @pytest.mark.requires_trainable_backend
     def test_hybrid_large_inputs_are_finite(self):
