@@ -369,7 +369,8 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     the earlier `(batch, heads, chunks, ...)` summaries, decayed by the
     `(batch, heads, chunks)` log-gates between (if any). Products with a
     lower-triangular `decay_matrix`, inside blocks of `_PREFIX_BLOCK`
-    chunks and across them: no loop."""
+    chunks and across them: no loop, and not causal for inf or nan
+    summaries (which only unmasked non-finite inputs give)."""
     shape = ops.shape(summaries)
     rows, chunks = shape[0] * shape[1], shape[2]
     summaries = ops.reshape(summaries, (rows, chunks, -1))
@@ -499,9 +500,10 @@ def local_window(
         sequences += tuple(_heads_first(x[:, :, window:]) for x in steps[:2])
         sequences += (valids[:, window:], far_keys, far_values)
         sequences += () if gates is None else (gates,)
-        state = tuple(far_state) + tuple(x[:, :, :window] for x in steps[:2])
+        state = tuple(far_state) + (keys[:, :, :window], values[:, :, :window])
+        state += (valids[:, :window],)
         step = functools.partial(_local_window_step, readout=readout)
-        return recurrent(step, state + (valids[:, :window],), sequences)
+        return recurrent(step, state, sequences)
     query, query_features, far_bias = queries
     span = window if causal_mode else 2 * window - 1
     numerator, denominator, maximum = _window_chunkwise(
