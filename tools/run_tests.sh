@@ -80,8 +80,17 @@ done
 start() {
   if [ "$1" = tooling ]; then
     run tooling tools/tests
-  elif [ "$1" = jax ] && [ "$SERIAL" = 0 ] && [ "$JAX_WORKERS" -gt 1 ]; then
-    KERAS_BACKEND=jax run jax -n "$JAX_WORKERS" --dist loadfile "${TESTS[@]}"
+  elif [ "$1" = jax ]; then
+    # Eager JAX compiles every op for every new shape, and the tests'
+    # tensors are tiny: XLA's optimizations cost more time than they save.
+    local flags="--xla_cpu_use_fusion_emitters=false"
+    flags+=" --xla_backend_optimization_level=0"
+    flags+=" --xla_llvm_disable_expensive_passes=true"
+    local workers=()
+    [ "$SERIAL" = 0 ] && [ "$JAX_WORKERS" -gt 1 ] &&
+      workers=(-n "$JAX_WORKERS" --dist loadfile)
+    XLA_FLAGS=${XLA_FLAGS:-$flags} KERAS_BACKEND=jax run jax "${workers[@]}" \
+      "${TESTS[@]}"
   else
     KERAS_BACKEND=$1 run "$1" "${TESTS[@]}"
   fi
