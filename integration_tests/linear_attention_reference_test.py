@@ -238,26 +238,23 @@ class LinearAttentionReferenceTest(testing.TestCase):
             y = layer(x, mask=mask, initial_state=state)
             self.assertClose(y, expected, msg=mode)
 
-    @parameterized.named_parameters(
-        ("non_causal", False),
-        ("causal", True),
-        ("causal_decay", True, {"decay": "learned"}),
-    )
+    @parameterized.named_parameters(("non_causal", False), ("causal", True))
     @pytest.mark.skipif(
         backend.backend() in ("numpy", "openvino"),
         reason="These backends compute float64 layers in float32.",
     )
-    def test_float64(self, causal, kwargs=None):
+    def test_float64(self, causal):
         # A large epsilon, so that the configured value shows in the
-        # normalizer and in the relu map.
+        # normalizer and in the relu map; causal layers with and without
+        # decay in turn.
         with float64_enabled():
-            for config in CONFIGS:
+            for i, config in enumerate(CONFIGS):
                 layer = make_layer(
                     config,
                     causal=causal,
                     dtype="float64",
                     normalization_epsilon=0.5,
-                    **(kwargs or {}),
+                    decay="learned" if causal and i % 2 else None,
                 )
                 x, mask = random_inputs(dtype="float64"), hybrid_mask()
                 expected, expected_state = np_reference(layer, x, mask)
@@ -410,32 +407,29 @@ class LinearAttentionReferenceTest(testing.TestCase):
             self.assertClose(y, expected, msg=mode)
             self.assertHybridStateClose(final_state, expected_state, msg=mode)
 
-    @parameterized.named_parameters(
-        ("non_causal", False),
-        ("causal", True),
-        ("causal_decay", True, {"decay": "learned"}),
-    )
+    @parameterized.named_parameters(("non_causal", False), ("causal", True))
     @pytest.mark.skipif(
         backend.backend() in ("numpy", "openvino"),
         reason="These backends compute float64 layers in float32.",
     )
-    def test_hybrid_float64(self, causal, kwargs=None):
+    def test_hybrid_float64(self, causal):
         # A large epsilon, so that the configured value and the softmax
         # stabilizer (which otherwise cancels) show in the outputs; every
-        # feature map and head layout once over the two cases.
+        # feature map and head layout once over the two cases, causal ones
+        # with and without decay.
         windows = {
             True: {"elu_plus_one": 1, "favor_plus": 64, "grouped_hedgehog": 69},
             False: {"relu": 5, "hedgehog": 100, "grouped": 5},
         }[causal]
         with float64_enabled():
-            for config, window in windows.items():
+            for i, (config, window) in enumerate(windows.items()):
                 layer = make_layer(
                     config,
                     causal=causal,
                     dtype="float64",
                     normalization_epsilon=0.5,
                     local_window=window,
-                    **(kwargs or {}),
+                    decay="learned" if causal and i % 2 == 0 else None,
                 )
                 assign_far_log_scale(layer)
                 x, mask = random_inputs(dtype="float64"), hybrid_mask()

@@ -243,13 +243,10 @@ def recurrent(step, initial_state, sequences):
         state, outputs = step(initial_state, tuple(x[:, 0] for x in sequences))
         return ops.expand_dims(outputs, 1), state
 
-    def swap_batch_and_time(x):
-        return ops.transpose(x, (1, 0) + tuple(range(2, len(x.shape))))
-
     state, outputs = _scan(
-        step, initial_state, tuple(swap_batch_and_time(x) for x in sequences)
+        step, initial_state, tuple(ops.swapaxes(x, 0, 1) for x in sequences)
     )
-    return swap_batch_and_time(outputs), state
+    return ops.swapaxes(outputs, 0, 1), state
 
 
 def stepwise(query, key, value, state, log_gates, readout, documents=None):
