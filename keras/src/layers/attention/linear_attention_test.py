@@ -620,18 +620,14 @@ class LinearAttentionTest(testing.TestCase):
         # longer pieces).
         tokens = min((layer.local_window or 4) + 2, 8)
         step_masks = (None, mask)
+        splits = ([chunk, 3], [chunk + 1, 2], [5, chunk - 10, 8])
         if backend.backend() == "openvino":
             # OpenVINO compiles each call together with the calls whose
             # state it takes: time grows with the square of the calls.
-            step_masks = (mask,)
+            step_masks, splits = (mask,), splits[1:2]
         for step_mask in step_masks:
             full, full_state = layer(x, mask=step_mask, return_state=True)
-            for sizes in (
-                [chunk, 3],
-                [chunk + 1, 2],
-                [5, chunk - 10, 8],
-                [1] * tokens + [length - tokens],
-            ):
+            for sizes in splits + ([1] * tokens + [length - tokens],):
                 streamed, state = _stream(layer, x, sizes, step_mask)
                 message = f"sizes={sizes[:3]}, masked={step_mask is not None}"
                 self.assertClose(streamed, full, msg=message)
