@@ -44,10 +44,9 @@ class LinearAttention(Layer):
     also a recurrent network whose constant-size state can be carried
     across calls, for streaming and generation. For sequences of a few
     hundred tokens or fewer, `MultiHeadAttention` is usually faster. For
-    tasks that recall earlier tokens, such as language modelling, use
-    `conv_kernel_size=4`, and for the most reliable recall
-    `feature_map="taylor"` at a small `key_dim`; `MultiHeadAttention`
-    remains the choice for more items than a fixed-size state can hold.
+    language modelling, use `conv_kernel_size=4` and
+    `decay="input_dependent"`; for the most reliable recall,
+    `feature_map="taylor"` at a small `key_dim` with the convolution.
 
     Args:
         num_heads: Number of attention heads.
@@ -193,10 +192,13 @@ class LinearAttention(Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if isinstance(output_shape, (list, tuple)) and len(output_shape) == 1:
+            output_shape = output_shape[0]
         for name, value, least in (
             ("num_heads", num_heads, 1),
             ("key_dim", key_dim, 1),
             ("value_dim", value_dim, 1),
+            ("output_shape", output_shape, 1),
             ("num_key_value_heads", num_key_value_heads, 1),
             ("local_window", local_window, 1),
             ("conv_kernel_size", conv_kernel_size, 2),
@@ -214,13 +216,6 @@ class LinearAttention(Layer):
                 "`num_heads` must be a multiple of `num_key_value_heads`. "
                 f"Received: num_heads={num_heads}, "
                 f"num_key_value_heads={num_key_value_heads}"
-            )
-        if isinstance(output_shape, (list, tuple)) and len(output_shape) == 1:
-            output_shape = output_shape[0]
-        if output_shape is not None and not _is_integer(output_shape, 1):
-            raise ValueError(
-                "`output_shape` must be a positive integer (or a tuple of "
-                f"one). Received: output_shape={output_shape!r}"
             )
         # Private, as in `MultiHeadAttention` (`Model.summary()` reads it).
         self._output_shape = _optional_int(output_shape)
@@ -803,9 +798,8 @@ class LinearAttention(Layer):
         (or `None`) and the rest of `initial_state`."""
         if isinstance(initial_state, _UncastState):
             initial_state = initial_state.state
-        if isinstance(inputs, (list, tuple, dict)):
-            _check_input_shape(tree.map_structure(ops.shape, inputs))
-        _check_input_shape(tuple(inputs.shape))
+        shape = getattr(inputs, "shape", None)
+        _check_input_shape(shape or tree.map_structure(ops.shape, inputs))
         if not backend.is_float_dtype(inputs.dtype):
             raise ValueError(
                 "`inputs` must be a floating-point tensor (embed tokens "
@@ -1023,24 +1017,17 @@ def _check_seed(seed, largest=None):
 
 def _check_input_shape(shape):
     """`shape` as a tuple, if it is the shape of one rank-3 input."""
-    if not isinstance(shape, (list, tuple)):
-        # Such as TensorFlow's `TensorShape`; anything else is refused below.
-        with contextlib.suppress(ValueError):
-            shape = backend.standardize_shape(shape)
-    if not isinstance(shape, (list, tuple)) or any(
-        isinstance(dim, (list, tuple)) for dim in shape
-    ):
+    # Several inputs' shapes stay a list or a dict, and are refused.
+    with contextlib.suppress(ValueError):
+        shape = backend.standardize_shape(shape)
+    if not isinstance(shape, tuple) or len(shape) != 3 or shape[-1] is None:
         raise ValueError(
-            "`LinearAttention` is self-attention: it takes one `inputs` "
-            "tensor (no cross-attention). Received input shape(s): "
+            "`inputs` must be one tensor (self-attention: no "
+            "cross-attention) of rank 3, (batch_size, sequence_length, "
+            "input_dim), with a known input_dim. Received input shape(s): "
             f"{shape}"
         )
-    if len(shape) != 3 or shape[-1] is None:
-        raise ValueError(
-            "`inputs` must have rank 3, (batch_size, sequence_length, "
-            f"input_dim) with a known input_dim. Received: shape {shape}"
-        )
-    return tuple(shape)
+    return shape
 
 
 def _standardize_mask(mask, inputs):
