@@ -12,8 +12,8 @@ STAMP := $(VENV)/.requirements-installed
 BACKENDS ?= tensorflow jax torch numpy openvino
 # The benchmark compares the training backends.
 BENCH_BACKENDS ?= tensorflow jax torch
-# The test runs of the backends go at the same time; SERIAL=1 runs them one
-# after the other (see tools/run_tests.sh).
+# The test runs of the backends go one per CPU core at a time (JOBS=N sets
+# how many); SERIAL=1 runs them one after the other (see tools/run_tests.sh).
 SERIAL ?= 0
 # restore-upstream needs no venv: any Python >= 3.11 runs the tool.
 TOOL_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))

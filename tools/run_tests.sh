@@ -5,13 +5,12 @@
 # if any run fails.
 # Used by `make test`, which sets up the venv and the upstream tree first.
 #
-# The runs go at the same time, each writing its own log, and each log is
-# printed whole as soon as its run is over. JAX's run is the longest and
-# mostly single-threaded XLA compiling, so it is split over JAX_WORKERS
-# pytest-xdist workers (whole files each), which keep both cores busy once
-# the other runs are over. (Wall times include waiting for the CPU.)
-# SERIAL=1 runs them one after the other, each in one process, with the
-# output as it comes.
+# JOBS runs (default: one per CPU core) go at the same time, the longest
+# first, each writing its own log, which is printed whole as soon as its run
+# is over; more runs than cores only wait on each other's thread pools.
+# JAX_WORKERS > 1 splits JAX's run over pytest-xdist workers (whole files
+# each). (Wall times include waiting for the CPU.) SERIAL=1 runs them one
+# after the other, with the output as it comes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +18,8 @@ PY=${PY:-.venv/bin/python}
 BACKENDS=${BACKENDS:-tensorflow jax torch numpy openvino}
 SERIAL=${SERIAL:-0}
 [ "$SERIAL" = 0 ] || SERIAL=1
-JAX_WORKERS=${JAX_WORKERS:-2}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+JAX_WORKERS=${JAX_WORKERS:-1}
 
 # The project's test files: tracked, or new and not ignored. Upstream's test
 # files are excluded by exact path (.git/info/exclude), so they never appear.
@@ -71,10 +71,12 @@ run() {
   return "$rc"
 }
 
-# The runs' names, each once (a name is also the name of its log).
-NAMES=(tooling)
-for backend in $BACKENDS; do
-  [[ " ${NAMES[*]} " == *" $backend "* ]] || NAMES+=("$backend")
+# The runs' names, each once (a name is also the name of its log), the
+# longest first so that the short ones fill the cores at the end.
+NAMES=()
+for name in jax tensorflow torch openvino numpy $BACKENDS tooling; do
+  [[ " $BACKENDS tooling " == *" $name "* ]] || continue
+  [[ " ${NAMES[*]} " == *" $name "* ]] || NAMES+=("$name")
 done
 # start NAME: runs NAME's tests (NAME is "tooling" or a backend).
 start() {
@@ -116,8 +118,20 @@ else
   trap 'stop; exit 129' HUP
   trap 'stop; exit 130' INT
   trap 'stop; exit 143' TERM
+  # finish: waits for a run to end and prints its log.
+  finish() {
+    wait -n -p finished || failed=1
+    cat "$LOGS/${names_by_pid[$finished]}.log"
+  }
+  echo "Running ${NAMES[*]}, $JOBS at a time; each log follows when its" \
+    "run is over (SERIAL=1: one at a time)."
   set -m
+  running=0
   for name in "${NAMES[@]}"; do
+    if [ "$running" -ge "$JOBS" ]; then
+      finish
+      running=$((running - 1))
+    fi
     (
       # PyTorch uses one thread per core by default. Next to the other
       # runs that slowed both its run and JAX's (the tests' tensors are
@@ -126,14 +140,12 @@ else
       start "$name"
     ) < /dev/null > "$LOGS/$name.log" 2>&1 &
     names_by_pid[$!]=$name
+    running=$((running + 1))
+  done
+  for ((; running > 0; running--)); do
+    finish
   done
   set +m
-  echo "Running ${NAMES[*]} at the same time; each log follows when its" \
-    "run is over (SERIAL=1 runs them one after the other)."
-  for _ in "${NAMES[@]}"; do
-    wait -n -p finished || failed=1
-    cat "$LOGS/${names_by_pid[$finished]}.log"
-  done
 fi
 
 echo
