@@ -352,7 +352,22 @@ class LinearAttention(Layer):
             )
         self._conv_kernels = None
         if self.conv_kernel_size is not None:
-            self._conv_kernels = self._add_conv_kernels()
+            # The filters `(width, heads, size)`, initialized as PyTorch's
+            # `Conv1d`: uniform within 1/sqrt(fan_in).
+            bound = self.conv_kernel_size**-0.5
+            self._conv_kernels = [
+                self.add_weight(
+                    name=f"{name}_conv_kernel",
+                    shape=(self.conv_kernel_size, count, size),
+                    initializer=initializers.RandomUniform(-bound, bound),
+                    autocast=False,
+                )
+                for name, count, size in (
+                    ("query", heads, self.key_dim),
+                    ("key", kv_heads, self.key_dim),
+                    ("value", kv_heads, self.value_dim),
+                )
+            ]
         if self.decay in ("learned", "input_dependent"):
             # gamma = sigmoid(decay_logit) stays in (0, 1).
             self.decay_logit = self.add_weight(
@@ -374,27 +389,6 @@ class LinearAttention(Layer):
             self._dropout_layer = Dropout(
                 rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
             )
-
-    def _add_conv_kernels(self):
-        """The filters `(width, heads, size)` of the short convolution."""
-        width = self.conv_kernel_size
-        heads, key_value_heads = self.num_heads, self.num_key_value_heads
-        return [
-            self.add_weight(
-                name=f"{name}_conv_kernel",
-                shape=(width, count, size),
-                # As PyTorch's `Conv1d`: uniform within 1/sqrt(fan_in).
-                initializer=initializers.RandomUniform(
-                    -(width**-0.5), width**-0.5
-                ),
-                autocast=False,
-            )
-            for name, count, size in (
-                ("query", heads, self.key_dim),
-                ("key", key_value_heads, self.key_dim),
-                ("value", key_value_heads, self.value_dim),
-            )
-        ]
 
     def redraw_random_features(self, seed=None):
         """Draws new random features (`"favor_plus"`, `"random_fourier"`).
@@ -945,16 +939,13 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _is_real(value):
+def _is_real(value, kind=numbers.Real):
     """Whether `value` is a real number (NumPy's too), not a boolean."""
-    boolean = isinstance(value, (bool, np.bool_))
-    return isinstance(value, numbers.Real) and not boolean
+    return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
 
 
 def _is_integer(value, minimum):
-    """Whether `value` is an integer of at least `minimum`, not a boolean."""
-    integral = isinstance(value, numbers.Integral) and _is_real(value)
-    return integral and value >= minimum
+    return _is_real(value, numbers.Integral) and value >= minimum
 
 
 def _fits(shape, expected):
