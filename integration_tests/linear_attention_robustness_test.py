@@ -313,44 +313,6 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         plain.load_weights(path)
         self.assertAllClose(plain(x), expected)
 
-    @parameterized.named_parameters(("int8", "int8"), ("int4", "int4"))
-    def test_quantize(self, mode):
-        # `Model.quantize` quantizes the four projections; the attention
-        # core and its state are unchanged.
-        if mode == "int4" and backend.backend() == "openvino":
-            self.skipTest(
-                "OpenVINO compiles int4 projections and the chunkwise form "
-                "into one graph with wrong results."
-            )
-        x = random_inputs()
-        inputs = layers.Input((None, INPUT_DIM))
-        layer = make_layer(causal=True, build=False)
-        model = models.Model(inputs, layer(inputs))
-        float_outputs = backend.convert_to_numpy(model(x))
-        model.quantize(mode)
-        for dense in (layer.query_dense, layer.output_dense):
-            self.assertEqual(dense.quantization_mode, mode)
-            # int4 values are packed in pairs into int8.
-            self.assertDType(dense._kernel, "int8")
-        y = model(x)
-        self.assertDType(y, "float32")
-        assert_close(y, float_outputs, QUANTIZED_RTOL[mode])
-        assert_close(stream(layer, x, [1, 30, 39])[0], y, FLOAT32_RTOL)
-        layer.execution_mode = "recurrent"
-        assert_close(layer(x), y, FLOAT32_RTOL)
-        layer.execution_mode = "auto"
-        # The configuration records the projections' policies, so that the
-        # model loads quantized.
-        self.assertEqual(
-            sorted(layer.get_config()["projection_dtypes"]),
-            ["attention_output", "key", "query", "value"],
-        )
-        path = os.path.join(self.get_temp_dir(), "quantized.keras")
-        model.save(path)
-        loaded = saving.load_model(path)
-        self.assertEqual(loaded.layers[1].query_dense.quantization_mode, mode)
-        self.assertAllClose(loaded(x), y)
-
     @parameterized.named_parameters(
         ("default", None, True),
         ("grouped", "grouped", True),
@@ -1365,18 +1327,34 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         )
 
     @parameterized.named_parameters(("int8", "int8"), ("int4", "int4"))
-    def test_quantized_model_copies(self, mode):
-        # Beyond `test_quantize` above: saved again, copied with
-        # other layer names, rebuilt from the config, and the weights file.
+    def test_quantize(self, mode):
+        # `Model.quantize` quantizes the four projections; the attention
+        # core and its state are unchanged. The quantized model saves,
+        # loads and saves again, copies with other layer names, rebuilds
+        # from its config and loads its weights file.
         x = random_inputs()
         inputs = layers.Input((None, INPUT_DIM))
-        layer = make_layer(build=False, causal=True)
+        layer = make_layer(causal=True, build=False)
         model = models.Model(inputs, layer(inputs))
+        float_outputs = backend.convert_to_numpy(model(x))
         model.quantize(mode)
+        for dense in (layer.query_dense, layer.output_dense):
+            self.assertEqual(dense.quantization_mode, mode)
+            # int4 values are packed in pairs into int8.
+            self.assertDType(dense._kernel, "int8")
         y = model(x)
+        self.assertDType(y, "float32")
+        # OpenVINO compiles int4 projections and the chunkwise form into
+        # one graph with wrong results (CONTRIBUTING.md); the copies below
+        # still give the quantized model's outputs.
+        if mode == "int8" or backend.backend() != "openvino":
+            assert_close(y, float_outputs, QUANTIZED_RTOL[mode])
+            assert_close(stream(layer, x, [1, 30, 39])[0], y, FLOAT32_RTOL)
+            layer.execution_mode = "recurrent"
+            assert_close(layer(x), y, FLOAT32_RTOL)
+            layer.execution_mode = "auto"
         # The layer's config carries the projections' policies (unlike
-        # MultiHeadAttention's), so that the model loads quantized, and
-        # saves again; also as a copy with other layer names.
+        # MultiHeadAttention's), so that the model loads quantized.
         path = os.path.join(self.get_temp_dir(), "quantized.keras")
         model.save(path)
         loaded = saving.load_model(path)
