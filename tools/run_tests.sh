@@ -63,26 +63,36 @@ run() {
   secs="$((secs / 10)).$((secs % 10))s"
   echo "==== $name: wall time $secs ===="
   if [ "$rc" -eq 0 ]; then
-    printf '%-12s passed  %8s\n' "$name" "$secs" > "$LOGS/$name.summary"
+    printf '%-14s passed  %8s\n' "$name" "$secs" > "$LOGS/$name.summary"
   else
-    printf '%-12s FAILED  %8s  (pytest exit %d)\n' "$name" "$secs" "$rc" \
+    printf '%-14s FAILED  %8s  (pytest exit %d)\n' "$name" "$secs" "$rc" \
       > "$LOGS/$name.summary"
   fi
   return "$rc"
 }
 
 # The runs' names, each once (a name is also the name of its log), the
-# longest first so that the short ones fill the cores at the end.
+# longest first so that the short ones fill the cores at the end. JAX's
+# run, the longest, leaves its benchmark tests to a run of their own
+# (jax_benchmarks), which the other core can take.
 NAMES=()
-for name in jax tensorflow torch openvino numpy $BACKENDS tooling; do
-  [[ " $BACKENDS tooling " == *" $name "* ]] || continue
+RUNS=" $BACKENDS tooling "
+[[ $RUNS == *" jax "* ]] && RUNS+="jax_benchmarks "
+for name in jax tensorflow torch openvino jax_benchmarks numpy $RUNS; do
+  [[ $RUNS == *" $name "* ]] || continue
   [[ " ${NAMES[*]} " == *" $name "* ]] || NAMES+=("$name")
 done
-# start NAME: runs NAME's tests (NAME is "tooling" or a backend).
+# start NAME: runs NAME's tests (NAME is "tooling", a backend or
+# "jax_benchmarks").
 start() {
   if [ "$1" = tooling ]; then
     run tooling tools/tests
-  elif [ "$1" = jax ]; then
+  elif [ "$1" = jax ] || [ "$1" = jax_benchmarks ]; then
+    local f tests=()
+    for f in "${TESTS[@]}"; do
+      [[ $f == benchmarks/* ]] && [ "$1" = jax_benchmarks ] && tests+=("$f")
+      [[ $f != benchmarks/* ]] && [ "$1" = jax ] && tests+=("$f")
+    done
     # Eager JAX compiles every op for every new shape, and the tests'
     # tensors are tiny: XLA's optimizations cost more time than they save.
     local flags="--xla_cpu_use_fusion_emitters=false"
@@ -91,8 +101,8 @@ start() {
     local workers=()
     [ "$SERIAL" = 0 ] && [ "$JAX_WORKERS" -gt 1 ] &&
       workers=(-n "$JAX_WORKERS" --dist loadfile)
-    XLA_FLAGS=${XLA_FLAGS:-$flags} KERAS_BACKEND=jax run jax "${workers[@]}" \
-      "${TESTS[@]}"
+    XLA_FLAGS=${XLA_FLAGS:-$flags} KERAS_BACKEND=jax run "$1" \
+      "${workers[@]}" "${tests[@]}"
   else
     KERAS_BACKEND=$1 run "$1" "${TESTS[@]}"
   fi
@@ -152,7 +162,7 @@ echo
 echo "==== summary ===="
 for name in "${NAMES[@]}"; do
   if ! cat "$LOGS/$name.summary" 2>/dev/null; then
-    printf '%-12s FAILED  (no result)\n' "$name"
+    printf '%-14s FAILED  (no result)\n' "$name"
     failed=1
   fi
 done
