@@ -77,7 +77,9 @@ run() {
 # (jax_benchmarks), which the other core can take.
 NAMES=()
 RUNS=" $BACKENDS tooling "
-[[ $RUNS == *" jax "* ]] && RUNS+="jax_benchmarks "
+# (Only with benchmark tests: pytest given no files would collect them all.)
+[[ $RUNS == *" jax "* && " ${TESTS[*]}" == *" benchmarks/"* ]] &&
+  RUNS+="jax_benchmarks "
 for name in jax tensorflow torch openvino jax_benchmarks numpy $RUNS; do
   [[ $RUNS == *" $name "* ]] || continue
   [[ " ${NAMES[*]} " == *" $name "* ]] || NAMES+=("$name")
