@@ -16,7 +16,8 @@ Beyond the unit test's small shapes:
 - decay with every sized feature map under mixed precision on a long
   sequence.
 
-The projections and small helpers are `linear_attention_reference.py`'s.
+The projections are `linear_attention_reference.py`'s, the layers and
+small helpers the unit test's (`linear_attention_test_utils.py`).
 """
 
 import contextlib
@@ -24,20 +25,25 @@ import functools
 
 import numpy as np
 from absl.testing import parameterized
-from linear_attention_reference import INPUT_DIM
 from linear_attention_reference import assert_close
-from linear_attention_reference import assign_far_log_scale
-from linear_attention_reference import layer_gradients
-from linear_attention_reference import make_layer
-from linear_attention_reference import masked_hybrid_state
+from linear_attention_reference import np_feature
 from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
+from linear_attention_reference import np_softmax
 from linear_attention_reference import np_weights
-from linear_attention_reference import random_inputs
 
 from keras.src import backend
 from keras.src import testing
 from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.layers.attention.linear_attention_test_utils import INPUT_DIM
+from keras.src.layers.attention.linear_attention_test_utils import (
+    layer_gradients,
+)
+from keras.src.layers.attention.linear_attention_test_utils import make_layer
+from keras.src.layers.attention.linear_attention_test_utils import (
+    masked_hybrid_state,
+)
+from keras.src.layers.attention.linear_attention_test_utils import random_inputs
 
 # Tolerances. Each comparison is relative to the largest magnitude of the
 # expected values (`assert_close`).
@@ -97,37 +103,14 @@ def _assert_finite(tensors, msg=None):
             )
 
 
-def _np_softmax(x):
-    x = np.exp(x - np.max(x, axis=-1, keepdims=True))
-    return x / np.sum(x, axis=-1, keepdims=True)
-
-
-def _np_elu_plus_one(y):
-    return np.where(y > 0, y + 1.0, np.exp(np.minimum(y, 0.0)))
-
-
-def _np_random_fourier(weights, y):
-    """RFA features of projected queries or keys, `(b, t, heads, m)`.
-
-    Head i uses the bandwidth of its key/value head. Here rather than the
-    unit reference because the tests need the normalizer estimates, which
-    that reference does not return.
-    """
-    y = y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-12)
-    sigma = np.exp(weights["feature_map/log_bandwidth"])
-    sigma = sigma[np.arange(y.shape[2]) * len(sigma) // y.shape[2]]
-    angles = y @ weights["feature_map/random_features"] / sigma[:, None]
-    return np.concatenate([np.sin(angles), np.cos(angles)], -1) / np.sqrt(
-        angles.shape[-1]
-    )
-
-
 def _np_random_fourier_denominators(layer, x):
     """`phi(q) . z` of a random Fourier layer, `(batch, time, heads)`."""
     weights = np_weights(layer)
     x = np.asarray(x, "float64")
-    query = _np_random_fourier(weights, np_project(layer, weights, x, "query"))
-    key = _np_random_fourier(weights, np_project(layer, weights, x, "key"))
+    query = np_project(layer, weights, x, "query")
+    query = np_feature(layer, weights, query, is_query=True)
+    key = np_project(layer, weights, x, "key")
+    key = np_feature(layer, weights, key, is_query=False)
     group = layer.num_heads // layer.num_key_value_heads
     key = np.repeat(key, group, 2)
     if not layer.causal:
@@ -225,7 +208,8 @@ class LinearAttentionDecayTest(testing.TestCase):
 
         weights = np_weights(reference)
         x64 = x.astype("float64")
-        key = _np_elu_plus_one(np_project(reference, weights, x64, "key"))
+        key = np_project(reference, weights, x64, "key")
+        key = np_feature(reference, weights, key, is_query=False)
         value = np_project(reference, weights, x64, "value")
         gamma = _retnet_gammas(2)
         growth = (1.0 + STATE_BOUND_SLACK) / (1.0 - gamma)
@@ -289,9 +273,8 @@ class LinearAttentionDecayTest(testing.TestCase):
             for z in (half, full)
         )
         weights = np_weights(layer)
-        key = _np_elu_plus_one(
-            np_project(layer, weights, x.astype("float64"), "key")
-        )
+        key = np_project(layer, weights, x.astype("float64"), "key")
+        key = np_feature(layer, weights, key, is_query=False)
         decayed_bound = np.max(key[0], axis=0) / (
             1.0 - _retnet_gammas(2)[:, None]
         )
@@ -496,7 +479,6 @@ class LinearAttentionDecayTest(testing.TestCase):
             feature_map="favor_plus",
             num_features=8,
         )
-        assign_far_log_scale(layer)
         # Away from the RetNet start, so that keys decay within a prompt.
         gamma = np.array([0.6, 0.85])
         layer.decay_logit.assign(np.log(gamma / (1.0 - gamma)))
@@ -591,7 +573,7 @@ class LinearAttentionDecayTest(testing.TestCase):
                 scores = np.where(
                     np.tril(np.ones((length, length), bool)), scores, -np.inf
                 )
-            exact = np.einsum("bhqk,bkhe->bqhe", _np_softmax(scores), value)
+            exact = np.einsum("bhqk,bkhe->bqhe", np_softmax(scores), value)
             exact = exact.reshape(x.shape[:2] + (-1,))
             errors = []
             for num_features in (16, 128, 1024):

@@ -3,56 +3,19 @@
 The integration tests compare the layer with these formulas, written out
 per feature map, independently of the layer's chunks, steps and feature
 map objects: `np_reference` for the plain layer (causal or not, with
-decay), `np_hybrid_reference` for `local_window`. The unit test
-(`keras/src/layers/attention/linear_attention_test.py`) keeps a compact
-reference of its own, so that no integration test imports from it.
+decay), `np_hybrid_reference` for `local_window`. The layers, inputs,
+masks, streams and gradients they compare are the unit test's, from
+`keras/src/layers/attention/linear_attention_test_utils.py`.
 """
 
-import contextlib
-
 import numpy as np
-import pytest
 
-from keras.src import backend
-from keras.src.layers.attention.linear_attention import LinearAttention
-
-BATCH, LENGTH, INPUT_DIM = 2, 70, 8
-NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
-# Feature maps and head layouts; "grouped" has 4 query heads on one
-# key/value head, "grouped_hedgehog" and "grouped_random_fourier" 4 on 2
-# (a learnable map or bandwidth per key/value head). Random Fourier
-# features estimate the normalizer, which can come near 0, where the
-# outputs would scale rounding by 1 / epsilon: hence a larger epsilon.
-CONFIGS = {
-    "elu_plus_one": {},
-    "relu": {"feature_map": "relu"},
-    "favor_plus": {"feature_map": "favor_plus", "num_features": 8},
-    "hedgehog": {"feature_map": "hedgehog", "num_features": 8},
-    "grouped": {"num_heads": 4, "num_key_value_heads": 1},
-    "grouped_hedgehog": {
-        "num_heads": 4,
-        "num_key_value_heads": 2,
-        "feature_map": "hedgehog",
-    },
-    "grouped_random_fourier": {
-        "num_heads": 4,
-        "num_key_value_heads": 2,
-        "feature_map": "random_fourier",
-        "num_features": 8,
-        "normalization_epsilon": 0.1,
-    },
-    "taylor": {"feature_map": "taylor"},
-    "cosformer": {"feature_map": "cosformer"},
-}
-# The configurations whose causal layer carries a state (cosFormer's
-# features depend on the length of the call).
-STREAMING_CONFIGS = tuple(c for c in CONFIGS if c != "cosformer")
+from keras.src.layers.attention.linear_attention_test_utils import to_float64
 
 
 def assert_close(actual, expected, rtol, msg=None):
     """`|actual - expected| <= rtol * max(1, max |expected|)`."""
-    actual = np.asarray(backend.convert_to_numpy(actual), dtype="float64")
-    expected = np.asarray(backend.convert_to_numpy(expected), "float64")
+    actual, expected = to_float64(actual), to_float64(expected)
     if actual.shape != expected.shape:
         raise AssertionError(
             f"{msg or ''} shape {actual.shape} != {expected.shape}"
@@ -65,59 +28,9 @@ def assert_close(actual, expected, rtol, msg=None):
         )
 
 
-def random_inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0, dtype="float32"):
-    return np.random.RandomState(seed).normal(size=shape).astype(dtype)
-
-
-def make_layer(config=None, build=True, **kwargs):
-    """A `LinearAttention` of the test's sizes, with `CONFIGS[config]`."""
-    kwargs = {
-        "num_heads": NUM_HEADS,
-        "key_dim": KEY_DIM,
-        "value_dim": VALUE_DIM,
-        # Non-zero biases, so that a misplaced bias shows.
-        "bias_initializer": "random_normal",
-        "seed": 1,
-        **CONFIGS.get(config, {}),
-        **kwargs,
-    }
-    layer = LinearAttention(**kwargs)
-    if build:
-        layer.build((None, None, INPUT_DIM))
-        feature_map = layer.feature_map_layer
-        if layer.feature_map == "hedgehog":
-            # Away from its identity start, so that a misapplied map shows.
-            kernel = feature_map.kernel
-            noise = np.random.RandomState(4).normal(size=kernel.shape)
-            kernel.assign(backend.convert_to_numpy(kernel) + 0.5 * noise)
-        if layer.feature_map == "random_fourier":
-            # Bandwidths other than 1 and per key/value head, so that a
-            # missing or misassigned bandwidth shows.
-            shift(feature_map.log_bandwidth, -0.5, 0.5, seed=5)
-        if layer.decay in ("learned", "input_dependent"):
-            # Away from the RetNet start (gamma near 1), so that a wrong
-            # mapping from `decay_logit` to gamma shows.
-            shift(layer.decay_logit, -2.5, -1.0, seed=6)
-        if layer.decay == "input_dependent":
-            # Gates that differ from step to step.
-            shift(layer.decay_kernel, -0.5, 0.5, seed=7)
-    return layer
-
-
-def shift(variable, low, high, seed):
-    """Adds uniform noise in `[low, high)` to `variable`."""
-    noise = np.random.RandomState(seed).uniform(low, high, variable.shape)
-    variable.assign(backend.convert_to_numpy(variable) + noise)
-
-
 def np_weights(layer):
     """The layer's weights in float64, by path within the layer."""
-    return {
-        v.path[len(layer.path) + 1 :]: np.asarray(
-            backend.convert_to_numpy(v), "float64"
-        )
-        for v in layer.weights
-    }
+    return {v.path[len(layer.path) + 1 :]: to_float64(v) for v in layer.weights}
 
 
 def np_project(layer, weights, x, name):
@@ -223,6 +136,12 @@ def np_normalize(layer, numerator, denominator):
     return numerator / (denominator[..., None] + layer.normalization_epsilon)
 
 
+def np_softmax(x):
+    """Softmax over the last axis."""
+    x = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return x / np.sum(x, axis=-1, keepdims=True)
+
+
 def np_reference(layer, x, mask=None, initial_state=None, feature=None):
     """Outputs and final state of `layer`, from the formulas in float64.
 
@@ -270,10 +189,7 @@ def np_reference(layer, x, mask=None, initial_state=None, feature=None):
         # (zero keys and values there): they neither add nor decay.
         s_t, z_t = np.zeros(key_value[:, 0].shape), np.zeros(key[:, 0].shape)
         if initial_state is not None:
-            initial_state = [
-                np.asarray(backend.convert_to_numpy(s), "float64")
-                for s in initial_state
-            ]
+            initial_state = [to_float64(s) for s in initial_state]
             s_t = np.repeat(initial_state[0], group, 1)
             if layer.use_normalizer:
                 z_t = np.repeat(initial_state[1], group, 1)
@@ -318,9 +234,7 @@ def np_convolve(x, kernel, previous, causal, valid):
     for b in range(x.shape[0]):
         before = zeros
         if previous is not None:
-            before = np.asarray(backend.convert_to_numpy(previous), "float64")[
-                b
-            ]
+            before = to_float64(previous)[b]
         kept = np.flatnonzero(valid[b])
         # Unmasked step `i` at `i + width - 1`.
         steps = np.concatenate([before, x[b, kept], zeros])
@@ -366,8 +280,7 @@ def np_hybrid_reference(layer, x, mask=None, initial_state=None):
                 np.zeros((batch, window)),
             )
         far_kv, far_k, window_keys, window_values, window_valid = (
-            np.asarray(backend.convert_to_numpy(s), "float64")
-            for s in initial_state
+            to_float64(s) for s in initial_state
         )
         key = np.concatenate([window_keys.transpose(0, 2, 1, 3), key], 1)
         value = np.concatenate([window_values.transpose(0, 2, 1, 3), value], 1)
@@ -477,8 +390,7 @@ def _without_masked(reference, layer, x, mask, initial_state):
     states = []
     for row, kept in enumerate(mask):
         state = initial_state and tuple(
-            np.asarray(backend.convert_to_numpy(s), "float64")[row : row + 1]
-            for s in initial_state
+            to_float64(s)[row : row + 1] for s in initial_state
         )
         if kept.any():
             y, state = reference(layer, x[row : row + 1, kept], None, state)
@@ -487,14 +399,6 @@ def _without_masked(reference, layer, x, mask, initial_state):
     if not layer.causal:
         return outputs, None
     return outputs, tuple(map(np.concatenate, zip(*states)))
-
-
-def hybrid_mask(batch=BATCH, length=LENGTH):
-    """Left padding in the first sequence, holes in the second."""
-    mask = np.ones((batch, length), bool)
-    mask[0, :7] = False
-    mask[1, 20:26] = mask[1, length - 20] = False
-    return mask
 
 
 def hybrid_state(layer, batch, seed, dtype="float32"):
@@ -510,98 +414,3 @@ def hybrid_state(layer, batch, seed, dtype="float32"):
         rng.uniform(size=shapes[4]) < 0.7,
     )
     return tuple(s.astype(dtype) for s in state)
-
-
-def masked_hybrid_state(state):
-    """A hybrid state in float64, with zeros in its invalid window slots.
-
-    What an invalid slot holds is never read, so that states compare
-    equal whatever the layer keeps there.
-    """
-    state = [np.asarray(backend.convert_to_numpy(s), "float64") for s in state]
-    slots = state[4][:, None, :, None] > 0.5
-    state[2] = np.where(slots, state[2], 0.0)
-    state[3] = np.where(slots, state[3], 0.0)
-    return state
-
-
-def assign_far_log_scale(layer, value=None, seed=2):
-    """Sets `far_log_scale` to `value`, or to random values."""
-    (variable,) = [v for v in layer.weights if v.path.endswith("far_log_scale")]
-    shape = tuple(variable.shape)
-    if value is None:
-        value = np.random.RandomState(seed).uniform(-1, 1, size=shape)
-    variable.assign(np.broadcast_to(value, shape).astype(variable.dtype))
-
-
-def layer_gradients(layer, x, upstream, **call_kwargs):
-    """Gradients of `sum(layer(x) * upstream)` w.r.t. `x` and the weights."""
-    if backend.backend() == "jax":
-        import jax
-
-        non_trainable = [v.value for v in layer.non_trainable_variables]
-
-        def loss(trainable, x):
-            y, _ = layer.stateless_call(
-                trainable, non_trainable, x, **call_kwargs
-            )
-            return jax.numpy.sum(y.astype("float32") * upstream)
-
-        grad_weights, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(
-            [v.value for v in layer.trainable_variables], x
-        )
-        grads = [grad_x] + list(grad_weights)
-    elif backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        x = tf.convert_to_tensor(x)
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, **call_kwargs)
-            loss = tf.reduce_sum(tf.cast(y, "float32") * upstream)
-        variables = [v.value for v in layer.trainable_variables]
-        grads = tape.gradient(loss, [x] + variables)
-    elif backend.backend() == "torch":
-        import torch
-
-        x = torch.tensor(x, requires_grad=True)
-        y = layer(x, **call_kwargs).float()
-        loss = torch.sum(y * torch.tensor(upstream))
-        variables = [v.value for v in layer.trainable_variables]
-        grads = torch.autograd.grad(loss, [x] + variables)
-    else:
-        pytest.skip(f"No gradients on the {backend.backend()} backend.")
-    return [np.asarray(backend.convert_to_numpy(g), "float64") for g in grads]
-
-
-def stream(layer, x, sizes, mask=None):
-    """Runs `x` through a causal layer in pieces of the given sizes."""
-    state = layer.get_initial_state(x.shape[0])
-    outputs, start = [], 0
-    for size in sizes:
-        piece = slice(start, start + size)
-        y, state = layer(
-            x[:, piece],
-            mask=None if mask is None else mask[:, piece],
-            initial_state=state,
-            return_state=True,
-        )
-        outputs.append(backend.convert_to_numpy(y))
-        start += size
-    return np.concatenate(outputs, axis=1), state
-
-
-@contextlib.contextmanager
-def float64_enabled():
-    """Enables float64 on JAX (off by default there) for a block."""
-    if backend.backend() != "jax":
-        yield
-        return
-    import jax
-
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)

@@ -11,27 +11,33 @@ across blocks of the chunked prefix sum.
 import numpy as np
 import pytest
 from absl.testing import parameterized
-from linear_attention_reference import BATCH
-from linear_attention_reference import CONFIGS
-from linear_attention_reference import INPUT_DIM
-from linear_attention_reference import KEY_DIM
-from linear_attention_reference import LENGTH
-from linear_attention_reference import NUM_HEADS
-from linear_attention_reference import assign_far_log_scale
-from linear_attention_reference import float64_enabled
-from linear_attention_reference import hybrid_mask
 from linear_attention_reference import hybrid_state
-from linear_attention_reference import make_layer
-from linear_attention_reference import masked_hybrid_state
 from linear_attention_reference import np_feature
 from linear_attention_reference import np_hybrid_reference
 from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
 from linear_attention_reference import np_weights
-from linear_attention_reference import random_inputs
 
 from keras.src import backend
 from keras.src import testing
+from keras.src.layers.attention.linear_attention_test_utils import BATCH
+from keras.src.layers.attention.linear_attention_test_utils import CONFIGS
+from keras.src.layers.attention.linear_attention_test_utils import (
+    FEATURE_MAP_CONFIGS,
+)
+from keras.src.layers.attention.linear_attention_test_utils import INPUT_DIM
+from keras.src.layers.attention.linear_attention_test_utils import KEY_DIM
+from keras.src.layers.attention.linear_attention_test_utils import LENGTH
+from keras.src.layers.attention.linear_attention_test_utils import NUM_HEADS
+from keras.src.layers.attention.linear_attention_test_utils import (
+    float64_enabled,
+)
+from keras.src.layers.attention.linear_attention_test_utils import make_layer
+from keras.src.layers.attention.linear_attention_test_utils import (
+    masked_hybrid_state,
+)
+from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import sample_mask
 
 # float32 layer against the float64 reference, and two float32 algorithms
 # against each other: rounding only, where a wrong formula is off by far
@@ -51,18 +57,6 @@ CAUSAL_MODES = (
 )
 
 
-# The short convolution, on grouped heads and on cosFormer (whose weights
-# keep the call's positions, masked steps included).
-CONVOLUTIONS = {
-    "grouped_conv": {
-        "num_heads": 4,
-        "num_key_value_heads": 2,
-        "conv_kernel_size": 4,
-    },
-    "cosformer_conv": {"feature_map": "cosformer", "conv_kernel_size": 3},
-}
-
-
 class LinearAttentionReferenceTest(testing.TestCase):
     def assertClose(self, actual, expected, tol=FLOAT32_TOL, msg=None):
         self.assertAllClose(actual, expected, atol=tol, rtol=tol, msg=msg)
@@ -70,7 +64,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
     @parameterized.named_parameters(
         [
             (f"{config}_{causal}_{normalizer}", config, causal, normalizer)
-            for config in list(CONFIGS) + list(CONVOLUTIONS)
+            for config in CONFIGS
             for causal in ("non_causal", "causal")
             for normalizer in ("normalized", "unnormalized")
         ]
@@ -81,7 +75,6 @@ class LinearAttentionReferenceTest(testing.TestCase):
             config,
             causal=causal,
             use_normalizer=normalizer == "normalized",
-            **CONVOLUTIONS.get(config, {}),
         )
         x = random_inputs()
         mask = np.ones((BATCH, LENGTH), bool)
@@ -151,7 +144,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
         # Left padding and holes, which neither add to the state nor decay
         # it, and a carried state, which decays.
         layer = make_layer(config, causal=True, **kwargs)
-        x, mask = random_inputs(), hybrid_mask()
+        x, mask = random_inputs(), sample_mask()
         self._assert_causal_matches_reference(layer, x, mask)
 
     def test_decay_long_sequence(self):
@@ -187,7 +180,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
     def test_decay_of_one_is_no_decay(self):
         # gamma = 1 keeps the whole past: the layer without decay, with
         # the same weights, plain and hybrid.
-        x, mask = random_inputs(), hybrid_mask()
+        x, mask = random_inputs(), sample_mask()
         for local_window in (None, 5):
             decayed = make_layer(
                 causal=True, decay=1.0, local_window=local_window
@@ -213,7 +206,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
         # y_t = phi(q_t) . phi(k_t) v_t / (phi(q_t) . phi(k_t) + epsilon),
         # whatever the carried state and the masked steps before it.
         layer = make_layer("grouped", causal=True, decay=1e-30)
-        x, mask = random_inputs(), hybrid_mask()
+        x, mask = random_inputs(), sample_mask()
         w = np_weights(layer)
         x64 = x.astype("float64")
         group = layer.num_heads // layer.num_key_value_heads
@@ -248,7 +241,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
         # normalizer and in the relu map; causal layers with and without
         # decay in turn.
         with float64_enabled():
-            for i, config in enumerate(CONFIGS):
+            for i, config in enumerate(FEATURE_MAP_CONFIGS):
                 layer = make_layer(
                     config,
                     causal=causal,
@@ -256,7 +249,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
                     normalization_epsilon=0.5,
                     decay="learned" if causal and i % 2 else None,
                 )
-                x, mask = random_inputs(dtype="float64"), hybrid_mask()
+                x, mask = random_inputs(dtype="float64"), sample_mask()
                 expected, expected_state = np_reference(layer, x, mask)
                 streams = causal and layer.feature_map_layer.streams
                 outputs = layer(x, mask=mask, return_state=streams)
@@ -392,8 +385,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
         layer = make_layer(
             config, causal=causal, local_window=window, **(kwargs or {})
         )
-        assign_far_log_scale(layer)
-        x, mask = random_inputs(), hybrid_mask()
+        x, mask = random_inputs(), sample_mask()
         state = hybrid_state(layer, BATCH, seed=3) if causal else None
         expected, expected_state = np_hybrid_reference(layer, x, mask, state)
         for mode in CAUSAL_MODES:
@@ -431,8 +423,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
                     local_window=window,
                     decay="learned" if causal and i % 2 == 0 else None,
                 )
-                assign_far_log_scale(layer)
-                x, mask = random_inputs(dtype="float64"), hybrid_mask()
+                x, mask = random_inputs(dtype="float64"), sample_mask()
                 state = None
                 if causal:
                     state = hybrid_state(layer, BATCH, 3, dtype="float64")

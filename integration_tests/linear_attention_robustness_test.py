@@ -19,8 +19,9 @@ and `make test` runs them on every backend too:
 - hybrid attention (`local_window`): left-padded generation, inputs far
   larger than usual, and its FAVOR+ error against FAVOR+ alone.
 
-The NumPy reference of the formulas and the small helpers are
-`linear_attention_reference.py`'s.
+The NumPy reference of the formulas is `linear_attention_reference.py`'s,
+the layers and small helpers the unit test's
+(`linear_attention_test_utils.py`).
 """
 
 import json
@@ -32,22 +33,11 @@ import zipfile
 import numpy as np
 import pytest
 from absl.testing import parameterized
-from linear_attention_reference import BATCH
-from linear_attention_reference import CONFIGS
-from linear_attention_reference import INPUT_DIM
-from linear_attention_reference import KEY_DIM
-from linear_attention_reference import LENGTH
-from linear_attention_reference import NUM_HEADS
-from linear_attention_reference import VALUE_DIM
 from linear_attention_reference import assert_close
-from linear_attention_reference import float64_enabled
-from linear_attention_reference import layer_gradients
-from linear_attention_reference import make_layer
 from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
+from linear_attention_reference import np_softmax
 from linear_attention_reference import np_weights
-from linear_attention_reference import random_inputs
-from linear_attention_reference import stream
 
 from keras.src import activations
 from keras.src import backend
@@ -59,6 +49,22 @@ from keras.src import saving
 from keras.src import testing
 from keras.src import tree
 from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.layers.attention.linear_attention_test_utils import BATCH
+from keras.src.layers.attention.linear_attention_test_utils import CONFIGS
+from keras.src.layers.attention.linear_attention_test_utils import INPUT_DIM
+from keras.src.layers.attention.linear_attention_test_utils import KEY_DIM
+from keras.src.layers.attention.linear_attention_test_utils import LENGTH
+from keras.src.layers.attention.linear_attention_test_utils import NUM_HEADS
+from keras.src.layers.attention.linear_attention_test_utils import VALUE_DIM
+from keras.src.layers.attention.linear_attention_test_utils import (
+    float64_enabled,
+)
+from keras.src.layers.attention.linear_attention_test_utils import (
+    layer_gradients,
+)
+from keras.src.layers.attention.linear_attention_test_utils import make_layer
+from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import stream
 from keras.src.models import cloning
 from keras.src.utils import rng_utils
 
@@ -111,11 +117,6 @@ HALF_PRECISION_LOSS_SCALE = 2.0**-10
 # Two blocks of the causal prefix over 64-step chunks (16 chunks each), the
 # second one partial, and a partial last chunk.
 LONG_LENGTH = 18 * 64 + 5
-
-
-def _np_softmax(x):
-    x = np.exp(x - np.max(x, axis=-1, keepdims=True))
-    return x / np.sum(x, axis=-1, keepdims=True)
 
 
 def _state_near_1000(state):
@@ -1726,7 +1727,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 scores = np.where(
                     np.tril(np.ones((16, 16), bool)), scores, -np.inf
                 )
-            heads = np.einsum("bhqk,bkhe->bqhe", _np_softmax(scores), value)
+            heads = np.einsum("bhqk,bkhe->bqhe", np_softmax(scores), value)
             exact = (
                 np.einsum(
                     "bqhe,heo->bqo",
@@ -2066,7 +2067,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(8.0)
         causal = np.tril(np.ones((length, length), bool))
-        probabilities = _np_softmax(np.where(causal, scores, -np.inf))
+        probabilities = np_softmax(np.where(causal, scores, -np.inf))
         heads = np.einsum("bhqk,bkhe->bqhe", probabilities, value)
         exact = (
             np.einsum(

@@ -1,4 +1,3 @@
-import contextlib
 import os
 import warnings
 
@@ -13,6 +12,10 @@ from keras.src import saving
 from keras.src import testing
 from keras.src.layers.attention import linear_attention_feature_maps as maps
 from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.layers.attention.linear_attention_test_utils import (
+    float64_enabled,
+)
+from keras.src.layers.attention.linear_attention_test_utils import to_float64
 from keras.src.utils import rng_utils
 
 # float64 maps and layers against the float64 NumPy references: summation
@@ -50,30 +53,10 @@ WEIGHTS = {
 }
 
 
-@contextlib.contextmanager
-def _float64_enabled():
-    """Enables float64 on JAX (off by default there) for a block."""
-    if backend.backend() != "jax":
-        yield
-        return
-    import jax
-
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 def _inputs(heads=KEY_VALUE_HEADS, seed=0, length=LENGTH, scale=1.0):
     shape = (BATCH, length, heads, KEY_DIM)
     x = np.random.RandomState(seed).normal(scale=scale, size=shape)
     return x.astype(DTYPE)
-
-
-def _numpy(x):
-    return np.asarray(backend.convert_to_numpy(x), "float64")
 
 
 def _map(name, **kwargs):
@@ -83,7 +66,7 @@ def _map(name, **kwargs):
     for weight in feature_map.trainable_weights:
         # So that a weight applied to the wrong head, or not at all, shows.
         noise = np.random.RandomState(2).uniform(-0.5, 0.5, weight.shape)
-        weight.assign(_numpy(weight) + noise)
+        weight.assign(to_float64(weight) + noise)
     return feature_map
 
 
@@ -94,7 +77,7 @@ def _per_head(weight, heads):
 
 def _np_features(name, feature_map, x, positions=None, length=None):
     """`phi(x)` of `(batch, time, heads, key_dim)` x from the formulas."""
-    w = {v.name: _numpy(v) for v in feature_map.weights}
+    w = {v.name: to_float64(v) for v in feature_map.weights}
     x = np.asarray(x, "float64")
     d = x.shape[-1]
     if name == "elu_plus_one":
@@ -145,7 +128,7 @@ def _np_features(name, feature_map, x, positions=None, length=None):
 def _np_cosformer_layer(layer, x, mask):
     """Outputs of a cosFormer layer from explicit `(T, T)` weights, with
     softmax weights for the pairs under `local_window` steps apart."""
-    w = {v.path[len(layer.path) + 1 :]: _numpy(v) for v in layer.weights}
+    w = {v.path[len(layer.path) + 1 :]: to_float64(v) for v in layer.weights}
     x = np.asarray(x, "float64")
     epsilon = layer.normalization_epsilon
     group = layer.num_heads // layer.num_key_value_heads
@@ -193,7 +176,7 @@ class _TestCase(testing.TestCase):
 
     def setUp(self):
         super().setUp()
-        self.enterContext(_float64_enabled())
+        self.enterContext(float64_enabled())
         rng_utils.set_random_seed(0)
 
     def assertClose(self, actual, expected, tol=TOL):
@@ -284,7 +267,7 @@ class FeatureMapsTest(_TestCase):
         feature_map.build((None, None, 1, 16))
         q, k = np.random.default_rng(0).standard_normal((2, 1, 4000, 1, 16))
         phi_q, phi_k = (
-            _numpy(feature_map.features(ops.convert_to_tensor(x, DTYPE)))
+            to_float64(feature_map.features(ops.convert_to_tensor(x, DTYPE)))
             for x in (q, k)
         )
         log_ratio = np.log(np.mean(np.exp(np.sum(q * k, -1) / 4))) - np.log(
@@ -325,16 +308,16 @@ class FeatureMapsTest(_TestCase):
     )
     def test_redraw(self, name, num_features):
         feature_map = _map(name, num_features=num_features)
-        before = _numpy(feature_map.random_features)
+        before = to_float64(feature_map.random_features)
         x = _inputs()
-        features = _numpy(feature_map(x))
+        features = to_float64(feature_map(x))
         feature_map.redraw(seed=5)
-        redrawn = _numpy(feature_map.random_features)
+        redrawn = to_float64(feature_map.random_features)
         self.assertNotAllClose(redrawn, before)
         self.assertNotAllClose(feature_map(x), features)
         # From the seed alone: as drawn when built with it, on any backend.
         other = _map(name, num_features=num_features, seed=5)
-        self.assertAllClose(redrawn, _numpy(other.random_features))
+        self.assertAllClose(redrawn, to_float64(other.random_features))
         # Orthogonal directions within each block of key_dim features.
         gram = redrawn[:, :KEY_DIM].T @ redrawn[:, :KEY_DIM]
         self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-6)
@@ -375,8 +358,8 @@ class CustomFeatureMapTest(_TestCase):
         y1, state = layer(x[:, :3], initial_state=state, return_state=True)
         y2, _ = layer(x[:, 3:], initial_state=state, return_state=True)
         self.assertAllClose(
-            _numpy(ops.concatenate([y1, y2], axis=1)),
-            _numpy(layer(x)),
+            to_float64(ops.concatenate([y1, y2], axis=1)),
+            to_float64(layer(x)),
             atol=1e-5,
             rtol=1e-5,
         )
@@ -390,12 +373,12 @@ class FavorPlusTest(_TestCase):
         x = ops.convert_to_tensor(x)
         features, log_scale = feature_map.scaled_features(x)
         self.assertEqual(tuple(log_scale.shape), tuple(x.shape[:3]))
-        self.assertGreater(np.max(np.abs(_numpy(log_scale))), 1.0)
+        self.assertGreater(np.max(np.abs(to_float64(log_scale))), 1.0)
         unstabilized = feature_map.features(x)
         # The other maps take no factor out.
         self.assertIsNone(_map("relu").scaled_features(x)[1])
         self.assertClose(
-            _numpy(features) * np.exp(_numpy(log_scale))[..., None],
+            to_float64(features) * np.exp(to_float64(log_scale))[..., None],
             unstabilized,
         )
 
@@ -422,8 +405,8 @@ class TaylorTest(_TestCase):
         q, k = _inputs(seed=1), _inputs(seed=2)
         products = np.einsum(
             "bthf,bjhf->bhtj",
-            _numpy(feature_map(q)),
-            _numpy(feature_map(k)),
+            to_float64(feature_map(q)),
+            to_float64(feature_map(k)),
         )
         s = np.einsum("bthd,bjhd->bhtj", q, k) / KEY_DIM**0.5
         self.assertClose(products, 1 + s + s**2 / 2)
@@ -445,8 +428,8 @@ class CosFormerTest(_TestCase):
         q, k = _inputs(seed=1), _inputs(seed=2)
         products = np.einsum(
             "bthf,bjhf->bhtj",
-            _numpy(feature_map(q)),
-            _numpy(feature_map(k)),
+            to_float64(feature_map(q)),
+            to_float64(feature_map(k)),
         )
         r_q, r_k = (np.maximum(y, 0.0) + 0.5 for y in (q, k))
         steps = np.arange(LENGTH)

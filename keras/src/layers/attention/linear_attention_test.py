@@ -16,6 +16,23 @@ from keras.src import regularizers
 from keras.src import saving
 from keras.src import testing
 from keras.src.layers.attention.linear_attention import LinearAttention
+from keras.src.layers.attention.linear_attention_test_utils import BATCH
+from keras.src.layers.attention.linear_attention_test_utils import CONFIGS
+from keras.src.layers.attention.linear_attention_test_utils import INPUT_DIM
+from keras.src.layers.attention.linear_attention_test_utils import KEY_DIM
+from keras.src.layers.attention.linear_attention_test_utils import LENGTH
+from keras.src.layers.attention.linear_attention_test_utils import NUM_HEADS
+from keras.src.layers.attention.linear_attention_test_utils import VALUE_DIM
+from keras.src.layers.attention.linear_attention_test_utils import (
+    layer_gradients,
+)
+from keras.src.layers.attention.linear_attention_test_utils import make_layer
+from keras.src.layers.attention.linear_attention_test_utils import (
+    masked_hybrid_state,
+)
+from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import sample_mask
+from keras.src.layers.attention.linear_attention_test_utils import stream
 from keras.src.models import cloning
 from keras.src.utils import rng_utils
 
@@ -28,34 +45,6 @@ GRADIENT_TOL = 1e-3
 # Mixed precision against the same weights in float32: the projections
 # round to 11 (float16) or 8 (bfloat16) significant bits.
 MIXED_TOL = {"float16": 1e-2, "bfloat16": 5e-2}
-
-BATCH, LENGTH, INPUT_DIM = 2, 70, 8
-NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
-# Every feature map and head layout; "grouped" has 4 query heads on one
-# key/value head, "grouped_hedgehog" and "grouped_random_fourier" 4 on 2
-# (a learnable map or bandwidth per key/value head). Random Fourier
-# features estimate the normalizer, which can come near 0, where the
-# outputs would scale rounding by 1 / epsilon: hence a larger epsilon.
-GROUPED = {"num_heads": 4, "num_key_value_heads": 2}
-CONFIGS = {
-    "elu_plus_one": {},
-    "relu": {"feature_map": "relu"},
-    "favor_plus": {"feature_map": "favor_plus", "num_features": 8},
-    "hedgehog": {"feature_map": "hedgehog", "num_features": 8},
-    "grouped": {"num_heads": 4, "num_key_value_heads": 1},
-    "grouped_hedgehog": {**GROUPED, "feature_map": "hedgehog"},
-    "grouped_random_fourier": {
-        **GROUPED,
-        "feature_map": "random_fourier",
-        "num_features": 8,
-        "normalization_epsilon": 0.1,
-    },
-    "taylor": {"feature_map": "taylor"},
-    "cosformer": {"feature_map": "cosformer"},
-    # Its weights keep the positions in the call, masked steps included.
-    "cosformer_conv": {"feature_map": "cosformer", "conv_kernel_size": 3},
-    "grouped_conv": {**GROUPED, "conv_kernel_size": 4},
-}
 
 # A window shorter than the convolution's reach, with gates from the input.
 HYBRID_DECAY = {"local_window": 3, "decay": "input_dependent"}
@@ -90,21 +79,9 @@ CAUSAL_CASES = [
 ]
 
 
-def _inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0):
-    return np.random.RandomState(seed).normal(size=shape).astype("float32")
-
-
-def _mask(batch=BATCH, length=LENGTH):
-    """Left padding in the first sequence, holes in the second."""
-    mask = np.ones((batch, length), bool)
-    mask[0, :7] = False
-    mask[1, 20:26] = mask[1, length - 20] = False
-    return mask
-
-
 def _segment_ids(batch=BATCH, length=LENGTH):
     """Three documents in the first row, two (of falling ids) in the
-    second, whose second starts at a step that `_mask` masks."""
+    second, whose second starts at a step that `sample_mask` masks."""
     ids = np.zeros((batch, length), "int32")
     ids[0, 30:], ids[0, 55:] = 1, 2
     ids[1, :50], ids[1, 50:] = 5, 3
@@ -117,48 +94,6 @@ def _documents(segment_ids, mask):
         starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 1))
         for steps in np.split(np.arange(len(ids)), starts[1:]):
             yield row, steps[valid[steps]]
-
-
-def _layer(config=None, build=True, **kwargs):
-    kwargs = {
-        "num_heads": NUM_HEADS,
-        "key_dim": KEY_DIM,
-        "value_dim": VALUE_DIM,
-        # Non-zero biases, so that a misplaced bias shows.
-        "bias_initializer": "random_normal",
-        "seed": 1,
-        **CONFIGS.get(config, {}),
-        **kwargs,
-    }
-    layer = LinearAttention(**kwargs)
-    if build:
-        layer.build((None, None, INPUT_DIM))
-        # Learned parameters away from their start, so that a misapplied
-        # one shows: the Hedgehog matrices (the identity), the random
-        # Fourier bandwidths (1), the decay (the RetNet schedule) and the
-        # hybrid's far scale (0).
-        if layer.feature_map == "hedgehog":
-            _shift(layer.feature_map_layer.kernel, -1.0, 1.0, seed=4)
-        if layer.feature_map == "random_fourier":
-            _shift(layer.feature_map_layer.log_bandwidth, -0.5, 0.5, seed=5)
-        if layer.decay in ("learned", "input_dependent"):
-            _shift(layer.decay_logit, -2.5, -1.0, seed=6)
-        if layer.decay == "input_dependent":
-            _shift(layer.decay_kernel, -0.5, 0.5, seed=7)
-        if layer.local_window:
-            rng = np.random.RandomState(2)
-            layer.far_log_scale.assign(rng.uniform(-1, 1, layer.num_heads))
-    return layer
-
-
-def _shift(variable, low, high, seed):
-    """Adds uniform noise in `[low, high)` to `variable`."""
-    noise = np.random.RandomState(seed).uniform(low, high, variable.shape)
-    variable.assign(backend.convert_to_numpy(variable) + noise)
-
-
-def _np(x):
-    return np.asarray(backend.convert_to_numpy(x), "float64")
 
 
 def _random_state(layer, batch=BATCH, seed=3):
@@ -174,84 +109,6 @@ def _random_state(layer, batch=BATCH, seed=3):
     if layer.local_window:
         state[-1] = rng.uniform(size=state[-1].shape) < 0.7
     return tuple(s.astype("float32") for s in state)
-
-
-def _masked_hybrid_state(state):
-    """A hybrid state in float64, with zeros in its invalid window slots.
-
-    What an invalid slot holds is never read, so that states compare
-    equal whatever the layer keeps there.
-    """
-    state = [_np(s) for s in state]
-    slots = state[-1][:, None, :, None] > 0.5
-    state[-3] = np.where(slots, state[-3], 0.0)
-    state[-2] = np.where(slots, state[-2], 0.0)
-    return state
-
-
-def _gradients(layer, x, state, upstream, **call_kwargs):
-    """Gradients of `sum(layer(x) * upstream)` from a state.
-
-    W.r.t. `x`, the state elements but a hybrid's `window_valid` (a flag)
-    and the trainable weights; on JAX, TensorFlow or PyTorch.
-    """
-    # Tensors, as the other elements: Keras refuses a nested call argument
-    # that mixes tensors (tracers) and NumPy arrays.
-    flags = tuple(ops.convert_to_tensor(s) for s in state if s.ndim == 2)
-    state = state[: len(state) - len(flags)]
-    weights = [v.value for v in layer.trainable_variables]
-    if backend.backend() == "jax":
-        import jax
-
-        fixed = [v.value for v in layer.non_trainable_variables]
-
-        def loss(x, state, weights):
-            state = tuple(state) + flags
-            y, _ = layer.stateless_call(
-                weights, fixed, x, initial_state=state, **call_kwargs
-            )
-            return jax.numpy.sum(y * upstream)
-
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
-            x, list(state), weights
-        )
-        grads = [grads[0], *grads[1], *grads[2]]
-    elif backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        x, state = tf.constant(x), [tf.constant(s) for s in state]
-        with tf.GradientTape() as tape:
-            tape.watch([x] + state)
-            y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
-            loss = tf.reduce_sum(y * upstream)
-        grads = tape.gradient(loss, [x] + state + weights)
-    else:
-        import torch
-
-        x = torch.tensor(x, requires_grad=True)
-        state = [torch.tensor(s, requires_grad=True) for s in state]
-        y = layer(x, initial_state=tuple(state) + flags, **call_kwargs)
-        loss = torch.sum(y * torch.tensor(upstream))
-        grads = torch.autograd.grad(loss, [x] + state + weights)
-    return [_np(g) for g in grads]
-
-
-def _stream(layer, x, sizes, mask=None, segment_ids=None):
-    """Runs `x` through a causal layer in pieces of the given sizes."""
-    state = layer.get_initial_state(x.shape[0])
-    outputs, start = [], 0
-    for size in sizes:
-        piece = slice(start, start + size)
-        y, state = layer(
-            x[:, piece],
-            mask=None if mask is None else mask[:, piece],
-            initial_state=state,
-            return_state=True,
-            segment_ids=None if segment_ids is None else segment_ids[:, piece],
-        )
-        outputs.append(backend.convert_to_numpy(y))
-        start += size
-    return np.concatenate(outputs, axis=1), state
 
 
 @saving.register_keras_serializable(package="LinearAttentionTest")
@@ -278,8 +135,8 @@ class LinearAttentionTest(testing.TestCase):
         tols = list(tol) if isinstance(tol, (list, tuple)) else [tol]
         tols += tols[-1:] * len(expected)
         if len(expected[-1].shape) == 2:
-            actual = _masked_hybrid_state(actual)
-            expected = _masked_hybrid_state(expected)
+            actual = masked_hybrid_state(actual)
+            expected = masked_hybrid_state(expected)
             self.assertAllEqual(actual[-1], expected[-1], msg=f"{msg} valid")
             actual, expected = actual[:-1], expected[:-1]
         for i, (a, e) in enumerate(zip(actual, expected)):
@@ -373,7 +230,7 @@ class LinearAttentionTest(testing.TestCase):
         # sigmoid starts at the RetNet schedule, `local_window` a far scale
         # per query head, starting at 0 for FAVOR+, and the short
         # convolution a kernel per projection.
-        layer = _layer(
+        layer = make_layer(
             build=False,
             name="attention",
             num_heads=4,
@@ -418,7 +275,7 @@ class LinearAttentionTest(testing.TestCase):
         self.assertAllEqual(variables["attention/far_log_scale"], np.zeros(4))
         # The other forms of decay add no weight.
         for decay in (None, 0.9, [0.5, 0.9], "retnet"):
-            plain = _layer(causal=True, decay=decay)
+            plain = make_layer(causal=True, decay=decay)
             self.assertLen(plain.weights, 8, msg=decay)
         # Cloned initializers: the kernels are not copies of each other.
         self.assertNotAllClose(plain.query_dense.kernel, plain.key_dense.kernel)
@@ -427,7 +284,7 @@ class LinearAttentionTest(testing.TestCase):
             ("hedgehog", "kernel"),
             ("grouped_random_fourier", "log_bandwidth"),
         ):
-            layer = _layer(config)
+            layer = make_layer(config)
             variable = getattr(layer.feature_map_layer, name)
             self.assertEqual(variable.path, f"{layer.name}/feature_map/{name}")
             self.assertIn(variable, layer.trainable_weights)
@@ -516,7 +373,7 @@ class LinearAttentionTest(testing.TestCase):
             kernel_constraint=constraints.MaxNorm(1.0),
             bias_constraint="non_neg",
         )
-        layer(_inputs((1, 3, 8)))
+        layer(random_inputs((1, 3, 8)))
         for variable in layer.weights:
             self.assertAllClose(variable, np.ones(variable.shape))
         # Four kernel penalties, four bias penalties and four on the
@@ -528,7 +385,7 @@ class LinearAttentionTest(testing.TestCase):
             )
             self.assertIsInstance(sublayer.bias.constraint, constraints.NonNeg)
         causal = LinearAttention(2, 4, causal=True, activity_regularizer="l2")
-        causal(_inputs((1, 3, 8)), return_state=True)
+        causal(random_inputs((1, 3, 8)), return_state=True)
         self.assertLen(causal.losses, 4)
         # The Hedgehog kernel is regularized and constrained like the
         # projection kernels.
@@ -539,7 +396,7 @@ class LinearAttentionTest(testing.TestCase):
             kernel_regularizer=regularizers.L2(0.1),
             kernel_constraint=constraints.MaxNorm(2.0),
         )
-        hedgehog(_inputs((1, 3, 8)))
+        hedgehog(random_inputs((1, 3, 8)))
         self.assertLen(hedgehog.losses, 5)
         self.assertIsNotNone(hedgehog.feature_map_layer.kernel.constraint)
 
@@ -575,7 +432,7 @@ class LinearAttentionTest(testing.TestCase):
     def test_invalid_inputs(self):
         # (cosFormer's refusal of a state: `CosFormerTest` in
         # `linear_attention_feature_maps_test.py`.)
-        x, layer = _inputs(), _layer(causal=True)
+        x, layer = random_inputs(), make_layer(causal=True)
         for message, call in (
             ("rank 3", lambda: layer(x[:, 0])),
             ("floating", lambda: layer(x.astype("int32"))),
@@ -587,11 +444,11 @@ class LinearAttentionTest(testing.TestCase):
             ("cross-attention", lambda: layer(x, x)),
             (
                 "only supported by causal",
-                lambda: _layer()(x, return_state=True),
+                lambda: make_layer()(x, return_state=True),
             ),
             (
                 r"`feature_map` must return.*\(2, 70, 2, 3\)",
-                lambda: _layer(
+                lambda: make_layer(
                     causal=True, feature_map=lambda f: ops.sum(f, -1)
                 )(x),
             ),
@@ -608,10 +465,10 @@ class LinearAttentionTest(testing.TestCase):
         # after a chunk edge, shorter and longer than a window, and single
         # tokens (the recurrent step), past a short window. Then the
         # parallel and recurrent algorithms' gradients.
-        layer = _layer(config, causal=True, **kwargs)
+        layer = make_layer(config, causal=True, **kwargs)
         chunk = layer._chunk_size
         length = chunk + 3
-        x = _inputs((BATCH, length, INPUT_DIM))
+        x = random_inputs((BATCH, length, INPUT_DIM))
         mask = np.ones((BATCH, length), bool)
         mask[0, :5] = False  # left padding
         mask[1, chunk - 2 : chunk + 1] = False  # a gap across a chunk edge
@@ -628,7 +485,7 @@ class LinearAttentionTest(testing.TestCase):
         for step_mask in step_masks:
             full, full_state = layer(x, mask=step_mask, return_state=True)
             for sizes in splits + ([1] * tokens + [length - tokens],):
-                streamed, state = _stream(layer, x, sizes, step_mask)
+                streamed, state = stream(layer, x, sizes, step_mask)
                 message = f"sizes={sizes[:3]}, masked={step_mask is not None}"
                 self.assertClose(streamed, full, msg=message)
                 self.assertStateClose(state, full_state, msg=message)
@@ -637,14 +494,16 @@ class LinearAttentionTest(testing.TestCase):
             return  # No gradients on these backends.
         # Both algorithms' outputs and gradients from a carried state;
         # masked steps hold NaN, which must reach neither.
-        state, mask = _random_state(layer), _mask()
-        x = np.where(mask[..., None], _inputs(), np.nan).astype("float32")
-        upstream = _inputs(seed=5)
+        state, mask = _random_state(layer), sample_mask()
+        x = np.where(mask[..., None], random_inputs(), np.nan).astype("float32")
+        upstream = random_inputs(seed=5)
         outputs, gradients = [], []
         for mode in ("recurrent", "parallel"):
             layer.execution_mode = mode
             outputs.append(layer(x, mask=mask, initial_state=state))
-            gradients.append(_gradients(layer, x, state, upstream, mask=mask))
+            gradients.append(
+                layer_gradients(layer, x, upstream, state, mask=mask)
+            )
         self.assertClose(outputs[1], outputs[0])
         expected, actual = gradients
         # A hybrid's window validity flags are not differentiated.
@@ -659,18 +518,22 @@ class LinearAttentionTest(testing.TestCase):
     def test_input_dependent_decay_limits(self):
         # Gates equal at every step (a zero kernel) are the float decay of
         # their sigmoid; gates saturated open are no decay.
-        gated = _layer(causal=True, decay="input_dependent")
+        gated = make_layer(causal=True, decay="input_dependent")
         gated.decay_kernel.assign(np.zeros((NUM_HEADS, KEY_DIM)))
         weights = {v.path[len(gated.path) :]: v for v in gated.weights}
         for logit, decay in ((1.5, 1 / (1 + np.exp(-1.5))), (60.0, None)):
             gated.decay_logit.assign(np.full(NUM_HEADS, logit))
-            plain = _layer(causal=True, decay=decay)
+            plain = make_layer(causal=True, decay=decay)
             for v in plain.weights:
                 v.assign(weights[v.path[len(plain.path) :]])
             for mode in MODES:
                 gated.execution_mode = plain.execution_mode = mode
-                expected = plain(_inputs(), mask=_mask(), return_state=True)
-                actual = gated(_inputs(), mask=_mask(), return_state=True)
+                expected = plain(
+                    random_inputs(), mask=sample_mask(), return_state=True
+                )
+                actual = gated(
+                    random_inputs(), mask=sample_mask(), return_state=True
+                )
                 self.assertClose(actual[0], expected[0], msg=(logit, mode))
                 self.assertStateClose(actual[1], expected[1], msg=mode)
 
@@ -687,14 +550,14 @@ class LinearAttentionTest(testing.TestCase):
         # an epsilon far below the denominators, as softmax has none): a
         # window over the whole sequence is exact softmax attention, and a
         # far part scaled to zero is softmax attention in a band.
-        layer = _layer(
+        layer = make_layer(
             causal=causal, local_window=window, normalization_epsilon=1e-12
         )
-        # `_layer`'s random far scale, which must not matter where the far
+        # `make_layer`'s random far scale, which must not matter where the far
         # part is empty, or one that scales the far part to zero.
         if far_log_scale is not None:
             layer.far_log_scale.assign(np.full(NUM_HEADS, far_log_scale))
-        x = _inputs()
+        x = random_inputs()
         mha = layers.MultiHeadAttention(NUM_HEADS, KEY_DIM, VALUE_DIM)
         mha.build(x.shape, x.shape)
         for name in ("query", "key", "value", "output"):
@@ -727,9 +590,9 @@ class LinearAttentionTest(testing.TestCase):
     )
     def test_masks(self, mask):
         valid = np.broadcast_to(mask != 0, (BATCH, LENGTH))
-        x = _inputs()
+        x = random_inputs()
         for causal in (False, True):
-            layer = _layer(causal=causal)
+            layer = make_layer(causal=causal)
             # Each form is the boolean `(batch, time)` mask it broadcasts to.
             y = layer(x, mask=mask)
             self.assertAllClose(y, layer(x, mask=valid))
@@ -753,8 +616,8 @@ class LinearAttentionTest(testing.TestCase):
         # masked ones (whose NaN must not leak), and the same final state,
         # by either algorithm: the state, the convolution and the window
         # read the unmasked steps only.
-        layer = _layer(config, causal=causal, **kwargs)
-        x, mask = _inputs(), _mask()
+        layer = make_layer(config, causal=causal, **kwargs)
+        x, mask = random_inputs(), sample_mask()
         x = np.where(mask[..., None], x, np.nan).astype("float32")
         self.assertPiecesAlone(layer, x, mask, None)
 
@@ -773,8 +636,8 @@ class LinearAttentionTest(testing.TestCase):
         # Each document of a packed row (here with padding and a masked
         # first step) gives what it gives alone, by either algorithm; the
         # final state is the last document's, with its id.
-        layer = _layer(config, causal=causal, **kwargs)
-        x, mask, ids = _inputs(), _mask(), _segment_ids()
+        layer = make_layer(config, causal=causal, **kwargs)
+        x, mask, ids = random_inputs(), sample_mask(), _segment_ids()
         state = self.assertPiecesAlone(layer, x, mask, ids)
         if not causal:
             return
@@ -785,13 +648,13 @@ class LinearAttentionTest(testing.TestCase):
         # a piece (50 of the second) and by a single token is the packed
         # call.
         y, state = layer(x, mask=mask, return_state=True, segment_ids=ids)
-        streamed, streamed_state = _stream(layer, x, [30, 1, 24, 15], mask, ids)
+        streamed, streamed_state = stream(layer, x, [30, 1, 24, 15], mask, ids)
         self.assertClose(streamed, y)
         self.assertAllEqual(streamed_state[-1], state[-1])
         self.assertStateClose(streamed_state[:-1], state[:-1])
 
     def test_invalid_segment_ids(self):
-        layer, x = _layer(causal=True), _inputs()
+        layer, x = make_layer(causal=True), random_inputs()
         ids = _segment_ids()
         for segment_ids, message in (
             (ids.astype("float32"), "integer.*float32"),
@@ -802,7 +665,7 @@ class LinearAttentionTest(testing.TestCase):
             with self.assertRaisesRegex(ValueError, message):
                 layer(x, segment_ids=segment_ids)
         with self.assertRaisesRegex(ValueError, "segment_ids.*cosformer"):
-            _layer("cosformer")(x, segment_ids=ids)
+            make_layer("cosformer")(x, segment_ids=ids)
 
     # The state.
 
@@ -829,7 +692,7 @@ class LinearAttentionTest(testing.TestCase):
     )
     def test_state_shapes(self, kwargs, expected):
         # Grouped: one state per key/value head.
-        layer = _layer(
+        layer = make_layer(
             causal=True,
             build=False,
             num_heads=4,
@@ -844,7 +707,7 @@ class LinearAttentionTest(testing.TestCase):
                 self.assertAllEqual(s, np.zeros(s.shape))
         self.assertFalse(layer.built)
         for length in (1, 5):  # the recurrent and the parallel path
-            x = _inputs((3, length, INPUT_DIM))
+            x = random_inputs((3, length, INPUT_DIM))
             _, state = layer(x, return_state=True)
             self.assertEqual([tuple(s.shape) for s in state], expected)
             for s in state:
@@ -856,8 +719,11 @@ class LinearAttentionTest(testing.TestCase):
         self.assertEqual([s.dtype for s in spec], ["float32"] * len(expected))
 
     def test_invalid_state(self):
-        x = _inputs((3, 4, INPUT_DIM))
-        plain, hybrid = _layer(causal=True), _layer(causal=True, local_window=4)
+        x = random_inputs((3, 4, INPUT_DIM))
+        plain, hybrid = (
+            make_layer(causal=True),
+            make_layer(causal=True, local_window=4),
+        )
         s, h = plain.get_initial_state(3), hybrid.get_initial_state(3)
         for layer, state, message in (
             (plain, s[:1], "shapes"),
@@ -902,12 +768,12 @@ class LinearAttentionTest(testing.TestCase):
     def test_save_load_and_clone(
         self, config, causal, local_window=None, kwargs=None
     ):
-        layer = _layer(
+        layer = make_layer(
             config, causal=causal, local_window=local_window, **(kwargs or {})
         )
         inputs = layers.Input((None, INPUT_DIM))
         model = models.Model(inputs, layer(inputs))
-        x = _inputs()
+        x = random_inputs()
         expected = backend.convert_to_numpy(model(x))
         # The state is never part of the configuration or the weights.
         layer_config = layer.get_config()
@@ -932,10 +798,10 @@ class LinearAttentionTest(testing.TestCase):
     def test_custom_feature_map(self):
         # A registered function gives what the built-in map of its formula
         # gives (not the default map's outputs).
-        layer = _layer(causal=True, feature_map=relu_plus_epsilon)
-        builtin = _layer(causal=True, feature_map="relu")
+        layer = make_layer(causal=True, feature_map=relu_plus_epsilon)
+        builtin = make_layer(causal=True, feature_map="relu")
         builtin.set_weights(layer.get_weights())
-        x = _inputs()
+        x = random_inputs()
         self.assertClose(layer(x), builtin(x))
         self.assertEqual(
             layer.get_config()["feature_map"]["config"],
@@ -952,19 +818,19 @@ class LinearAttentionTest(testing.TestCase):
     # Dropout (LoRA and quantization: the robustness test).
 
     def test_dropout(self):
-        layer = _layer(dropout=0.5, causal=True)
+        layer = make_layer(dropout=0.5, causal=True)
         self.assertLen(testing.test_case.get_seed_generators(layer), 1)
-        x = _inputs()
+        x = random_inputs()
         inference = layer(x, training=False)
         self.assertAllClose(inference, layer(x))
         self.assertNotAllClose(layer(x, training=True), inference)
         # Same seed and weights: same dropout masks.
-        first = _layer(dropout=0.5, seed=7)
-        second = _layer(dropout=0.5, seed=7)
+        first = make_layer(dropout=0.5, seed=7)
+        second = make_layer(dropout=0.5, seed=7)
         second.set_weights(first.get_weights())
         self.assertAllClose(first(x, training=True), second(x, training=True))
         # Streamed inference matches full inference.
-        self.assertClose(_stream(layer, x, [30, 40])[0], inference)
+        self.assertClose(stream(layer, x, [30, 40])[0], inference)
 
     # Precision.
 
@@ -986,15 +852,15 @@ class LinearAttentionTest(testing.TestCase):
     def test_mixed_precision(
         self, dtype, config, decay=None, window=None, packed=False
     ):
-        x, mask = _inputs(), _mask()
+        x, mask = random_inputs(), sample_mask()
         ids = _segment_ids() if packed else None
         tol = MIXED_TOL[dtype]
         kwargs = {"decay": decay, "local_window": window}
         for causal in (True,) if decay else (False, True):
-            layer = _layer(
+            layer = make_layer(
                 config, causal=causal, dtype=f"mixed_{dtype}", **kwargs
             )
-            reference = _layer(config, causal=causal, **kwargs)
+            reference = make_layer(config, causal=causal, **kwargs)
             reference.set_weights(layer.get_weights())
             for variable in layer.weights:
                 self.assertDType(variable, "float32")

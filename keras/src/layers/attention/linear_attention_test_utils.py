@@ -1,0 +1,217 @@
+"""Helpers shared by the LinearAttention tests.
+
+The unit tests (`linear_attention_test.py`,
+`linear_attention_feature_maps_test.py`) and the integration tests
+(`integration_tests/`) build their layers, inputs and masks, stream and
+differentiate with these. Not a test file: pytest does not collect it.
+"""
+
+import contextlib
+import unittest
+
+import numpy as np
+
+from keras.src import backend
+from keras.src import ops
+from keras.src.layers.attention.linear_attention import LinearAttention
+
+BATCH, LENGTH, INPUT_DIM = 2, 70, 8
+NUM_HEADS, KEY_DIM, VALUE_DIM = 2, 3, 5
+# Every feature map and head layout; "grouped" has 4 query heads on one
+# key/value head, "grouped_hedgehog" and "grouped_random_fourier" 4 on 2
+# (a learnable map or bandwidth per key/value head). Random Fourier
+# features estimate the normalizer, which can come near 0, where the
+# outputs would scale rounding by 1 / epsilon: hence a larger epsilon.
+GROUPED = {"num_heads": 4, "num_key_value_heads": 2}
+FEATURE_MAP_CONFIGS = {
+    "elu_plus_one": {},
+    "relu": {"feature_map": "relu"},
+    "favor_plus": {"feature_map": "favor_plus", "num_features": 8},
+    "hedgehog": {"feature_map": "hedgehog", "num_features": 8},
+    "grouped": {"num_heads": 4, "num_key_value_heads": 1},
+    "grouped_hedgehog": {**GROUPED, "feature_map": "hedgehog"},
+    "grouped_random_fourier": {
+        **GROUPED,
+        "feature_map": "random_fourier",
+        "num_features": 8,
+        "normalization_epsilon": 0.1,
+    },
+    "taylor": {"feature_map": "taylor"},
+    "cosformer": {"feature_map": "cosformer"},
+}
+# The above, and the short convolution (cosFormer's weights keep the
+# positions in the call, masked steps included).
+CONFIGS = {
+    **FEATURE_MAP_CONFIGS,
+    "cosformer_conv": {"feature_map": "cosformer", "conv_kernel_size": 3},
+    "grouped_conv": {**GROUPED, "conv_kernel_size": 4},
+}
+
+
+def random_inputs(shape=(BATCH, LENGTH, INPUT_DIM), seed=0, dtype="float32"):
+    return np.random.RandomState(seed).normal(size=shape).astype(dtype)
+
+
+def sample_mask(batch=BATCH, length=LENGTH):
+    """Left padding in the first sequence, holes in the second."""
+    mask = np.ones((batch, length), bool)
+    mask[0, :7] = False
+    mask[1, 20:26] = mask[1, length - 20] = False
+    return mask
+
+
+def make_layer(config=None, build=True, **kwargs):
+    """A `LinearAttention` of the tests' sizes, with `CONFIGS[config]`."""
+    kwargs = {
+        "num_heads": NUM_HEADS,
+        "key_dim": KEY_DIM,
+        "value_dim": VALUE_DIM,
+        # Non-zero biases, so that a misplaced bias shows.
+        "bias_initializer": "random_normal",
+        "seed": 1,
+        **CONFIGS.get(config, {}),
+        **kwargs,
+    }
+    layer = LinearAttention(**kwargs)
+    if build:
+        layer.build((None, None, INPUT_DIM))
+        # Learned parameters away from their start, so that a misapplied
+        # one shows: the Hedgehog matrices (the identity), the random
+        # Fourier bandwidths (1), the decay (the RetNet schedule) and the
+        # hybrid's far scale.
+        if layer.feature_map == "hedgehog":
+            shift(layer.feature_map_layer.kernel, -1.0, 1.0, seed=4)
+        if layer.feature_map == "random_fourier":
+            shift(layer.feature_map_layer.log_bandwidth, -0.5, 0.5, seed=5)
+        if layer.decay in ("learned", "input_dependent"):
+            shift(layer.decay_logit, -2.5, -1.0, seed=6)
+        if layer.decay == "input_dependent":
+            shift(layer.decay_kernel, -0.5, 0.5, seed=7)
+        if layer.local_window:
+            assign_far_log_scale(layer)
+    return layer
+
+
+def shift(variable, low, high, seed):
+    """Adds uniform noise in `[low, high)` to `variable`."""
+    noise = np.random.RandomState(seed).uniform(low, high, variable.shape)
+    variable.assign(backend.convert_to_numpy(variable) + noise)
+
+
+def assign_far_log_scale(layer, value=None, seed=2):
+    """Sets a hybrid's `far_log_scale` to `value`, or to random values."""
+    variable = layer.far_log_scale
+    shape = tuple(variable.shape)
+    if value is None:
+        value = np.random.RandomState(seed).uniform(-1, 1, size=shape)
+    variable.assign(np.broadcast_to(value, shape).astype(variable.dtype))
+
+
+def to_float64(x):
+    """A tensor or array as a float64 NumPy array."""
+    return np.asarray(backend.convert_to_numpy(x), "float64")
+
+
+@contextlib.contextmanager
+def float64_enabled():
+    """Enables float64 on JAX (off by default there) for a block."""
+    if backend.backend() != "jax":
+        yield
+        return
+    import jax
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+def masked_hybrid_state(state):
+    """A hybrid state in float64, with zeros in its invalid window slots.
+
+    What an invalid slot holds is never read, so that states compare
+    equal whatever the layer keeps there. The window is the state's last
+    three elements (after the sums and any convolution state).
+    """
+    state = [to_float64(s) for s in state]
+    slots = state[-1][:, None, :, None] > 0.5
+    state[-3] = np.where(slots, state[-3], 0.0)
+    state[-2] = np.where(slots, state[-2], 0.0)
+    return state
+
+
+def layer_gradients(layer, x, upstream, state=None, **call_kwargs):
+    """Gradients of `sum(layer(x) * upstream)`, in float64.
+
+    W.r.t. `x`, the elements of `state` (the initial state, if given) but
+    a hybrid's `window_valid` (a flag), and the trainable weights, in this
+    order; on JAX, TensorFlow or PyTorch (a skip on the other backends).
+    The outputs are cast to float32 (mixed precision).
+    """
+    if backend.backend() not in ("jax", "tensorflow", "torch"):
+        raise unittest.SkipTest(
+            f"No gradients on the {backend.backend()} backend."
+        )
+    given, state = state is not None, tuple(state or ())
+    # Tensors, as the other elements: Keras refuses a nested call argument
+    # that mixes tensors (tracers) and NumPy arrays.
+    flags = tuple(ops.convert_to_tensor(s) for s in state if s.ndim == 2)
+    state = list(state[: len(state) - len(flags)])
+
+    def kwargs(state):
+        if not given:
+            return call_kwargs
+        return {**call_kwargs, "initial_state": tuple(state) + flags}
+
+    if backend.backend() == "jax":
+        import jax
+
+        fixed = [v.value for v in layer.non_trainable_variables]
+
+        def loss(x, state, weights):
+            y, _ = layer.stateless_call(weights, fixed, x, **kwargs(state))
+            return jax.numpy.sum(y.astype("float32") * upstream)
+
+        weights = [v.value for v in layer.trainable_variables]
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, state, weights)
+        return [to_float64(g) for g in (grads[0], *grads[1], *grads[2])]
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        x, state = tf.constant(x), [tf.constant(s) for s in state]
+        with tf.GradientTape() as tape:
+            tape.watch([x] + state)
+            y = layer(x, **kwargs(state))
+            loss = tf.reduce_sum(tf.cast(y, "float32") * upstream)
+        weights = [v.value for v in layer.trainable_variables]
+        grads = tape.gradient(loss, [x] + state + weights)
+    else:
+        import torch
+
+        x = torch.tensor(x, requires_grad=True)
+        state = [torch.tensor(s, requires_grad=True) for s in state]
+        y = layer(x, **kwargs(state)).float()
+        loss = torch.sum(y * torch.tensor(upstream))
+        weights = [v.value for v in layer.trainable_variables]
+        grads = torch.autograd.grad(loss, [x] + state + weights)
+    return [to_float64(g) for g in grads]
+
+
+def stream(layer, x, sizes, mask=None, segment_ids=None):
+    """Runs `x` through a causal layer in pieces of the given sizes."""
+    state = layer.get_initial_state(x.shape[0])
+    outputs, start = [], 0
+    for size in sizes:
+        piece = slice(start, start + size)
+        y, state = layer(
+            x[:, piece],
+            mask=None if mask is None else mask[:, piece],
+            initial_state=state,
+            return_state=True,
+            segment_ids=None if segment_ids is None else segment_ids[:, piece],
+        )
+        outputs.append(backend.convert_to_numpy(y))
+        start += size
+    return np.concatenate(outputs, axis=1), state
