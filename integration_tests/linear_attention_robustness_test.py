@@ -127,6 +127,22 @@ def _state_near_1000(state):
     )
 
 
+def _numpy_weights_layer(x, **kwargs):
+    """A layer with weights drawn by NumPy (the same numbers on every
+    backend), its float64 weights, and its projections of `x`."""
+    layer = make_layer(**kwargs)
+    rng = np.random.RandomState(0)
+    for variable in layer.weights:
+        scale = 0.1 if "bias" in variable.path else 0.4
+        variable.assign(scale * rng.normal(size=variable.shape))
+    weights = np_weights(layer)
+    projections = [
+        np_project(layer, weights, x.astype("float64"), name)
+        for name in ("query", "key", "value")
+    ]
+    return layer, weights, projections
+
+
 def _recorded_shapes(layer, x, **call_kwargs):
     """Shapes of every intermediate tensor of a forward call."""
     name = backend.backend()
@@ -478,7 +494,6 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         ("seed_bool", {"seed": True}, "seed"),
         # A seed that PyTorch's dropout refuses (past int32), with an error
         # that did not name `seed`.
-        ("seed_too_large", {"seed": 2**31, "dropout": 0.1}, "seed"),
         ("num_heads_float", {"num_heads": 2.0}, "num_heads"),
         ("output_shape_zero", {"output_shape": 0}, "output_shape"),
         ("feature_map_type", {"feature_map": 3}, "feature_map"),
@@ -618,14 +633,14 @@ class LinearAttentionRobustnessTest(testing.TestCase):
     def test_invalid_input_forms(self):
         # The forms beyond the unit test's `test_invalid_inputs`.
         layer = make_layer(build=False, causal=True)
-        with self.assertRaisesRegex(ValueError, "rank 3"):
+        with self.assertRaisesRegex(ValueError, "expected ndim=3"):
             layer(random_inputs((2, 3, 4, 8)))
         with self.assertRaisesRegex(ValueError, "floating-point"):
             make_layer(build=False)(np.ones((2, 3, 8), "bool"))
-        with self.assertRaisesRegex(ValueError, "a known input_dim"):
+        with self.assertRaisesRegex(ValueError, "fully-defined"):
             make_layer(build=False)(layers.Input((None, None)))
         x = random_inputs()
-        with self.assertRaisesRegex(ValueError, "(?i)cross-attention"):
+        with self.assertRaisesRegex(ValueError, "expects 1 input"):
             make_layer(build=False)([x, x])
         with self.assertRaises((TypeError, ValueError)):
             make_layer(build=False)(query=x, value=x)
@@ -680,10 +695,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         favor = make_layer(**CONFIGS["favor_plus"])
         with self.assertRaisesRegex(ValueError, "`seed`"):
             favor.redraw_random_features(seed=-1)
-        # Without dropout, a seed reaches only NumPy, which takes any
-        # non-negative integer.
-        favor = make_layer(build=False, seed=2**40, **CONFIGS["favor_plus"])
-        favor(x)
+        # Any non-negative seed: NumPy takes it, dropout modulo 2**31.
+        favor = make_layer(
+            build=False, seed=2**40, dropout=0.1, **CONFIGS["favor_plus"]
+        )
+        favor(x, training=True)
         favor.redraw_random_features(seed=2**40)
         if backend.backend() == "tensorflow":
             import tensorflow as tf
@@ -954,65 +970,50 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         self.assertNotIn("projection_dtypes", layer.get_config())
         assert_close(stream(layer, x, [30, 40])[0], y, FLOAT16_POLICY_RTOL)
 
-    def test_v1_saved_model_loads_unchanged(self):
-        # `testdata/linear_attention_v1.keras` was saved by the first
-        # version of the layer (before FAVOR+, Hedgehog and grouped heads),
-        # with its outputs and final causal state on fixed inputs in the
-        # `.npz` beside it. Made on TensorFlow with:
-        #   inputs = keras.Input((6, 8))
-        #   x = LinearAttention(2, 4, causal=True, name="causal")(inputs)
-        #   x = LinearAttention(2, 3, value_dim=5, feature_map="relu",
-        #       use_normalizer=False, output_shape=8, name="non_causal")(x)
-        #   keras.Model(inputs, x).save(...)
-        # Both the config (defaults of new arguments) and the weights must
-        # load as before, on every backend.
+    # `testdata/linear_attention_v1.keras` was saved by the first version
+    # of the layer (before FAVOR+, Hedgehog and grouped heads), with its
+    # outputs and final causal state on fixed inputs in the `.npz` beside
+    # it. Made on TensorFlow with:
+    #   inputs = keras.Input((6, 8))
+    #   x = LinearAttention(2, 4, causal=True, name="causal")(inputs)
+    #   x = LinearAttention(2, 3, value_dim=5, feature_map="relu",
+    #       use_normalizer=False, output_shape=8, name="non_causal")(x)
+    # `testdata/linear_attention_v2.keras` was saved after the feature maps
+    # became objects with their own weights (`<layer>/feature_map_layer/...`
+    # in the file), with every weighted map and option and its weights
+    # moved away from their initial values. Made on TensorFlow with:
+    #   inputs = keras.Input((None, 8))
+    #   x = LinearAttention(2, 4, feature_map="favor_plus",
+    #       num_features=8, causal=True, seed=1)(inputs)
+    #   x = LinearAttention(4, 4, num_key_value_heads=2,
+    #       feature_map="hedgehog")(x)
+    #   x = LinearAttention(2, 4, feature_map="random_fourier",
+    #       num_features=8, seed=2, causal=True, decay="learned")(x)
+    #   x = LinearAttention(2, 3, feature_map="taylor", causal=True,
+    #       local_window=3)(x)
+    #   x = LinearAttention(2, 4, feature_map="cosformer")(x)
+    # Both the configs (defaults of new arguments) and the weights, by path,
+    # must load as before, on every backend.
+    @parameterized.named_parameters(("v1", "v1", 16), ("v2", "v2", 46))
+    def test_saved_model_loads_unchanged(self, version, weights):
         directory = os.path.join(os.path.dirname(__file__), "testdata")
-        expected = np.load(os.path.join(directory, "linear_attention_v1.npz"))
-        model = saving.load_model(
-            os.path.join(directory, "linear_attention_v1.keras")
-        )
-        self.assertLen(model.weights, 16)
+        name = os.path.join(directory, f"linear_attention_{version}")
+        expected = np.load(f"{name}.npz")
+        model = saving.load_model(f"{name}.keras")
+        self.assertLen(model.weights, weights)
         assert_close(
             model(expected["inputs"]), expected["outputs"], FLOAT32_RTOL
         )
-        causal = model.get_layer("causal")
-        self.assertEqual(causal.get_config()["feature_map"], "elu_plus_one")
-        _, state = causal(
-            expected["inputs"],
-            initial_state=causal.get_initial_state(2),
-            return_state=True,
-        )
-        assert_close(state[0], expected["key_value_state"], FLOAT32_RTOL)
-        assert_close(state[1], expected["key_state"], FLOAT32_RTOL)
-
-    def test_v2_saved_model_loads_unchanged(self):
-        # `testdata/linear_attention_v2.keras` was saved after the feature
-        # maps became objects with their own weights (`<layer>/
-        # feature_map_layer/...` in the file), with every weighted map and
-        # option, its weights moved away from their initial values, and its
-        # outputs on fixed inputs in the `.npz` beside it. Made on
-        # TensorFlow with:
-        #   inputs = keras.Input((None, 8))
-        #   x = LinearAttention(2, 4, feature_map="favor_plus",
-        #       num_features=8, causal=True, seed=1)(inputs)
-        #   x = LinearAttention(4, 4, num_key_value_heads=2,
-        #       feature_map="hedgehog")(x)
-        #   x = LinearAttention(2, 4, feature_map="random_fourier",
-        #       num_features=8, seed=2, causal=True, decay="learned")(x)
-        #   x = LinearAttention(2, 3, feature_map="taylor", causal=True,
-        #       local_window=3)(x)
-        #   x = LinearAttention(2, 4, feature_map="cosformer")(x)
-        # The layout must not change again: the weights load by path, on
-        # every backend.
-        directory = os.path.join(os.path.dirname(__file__), "testdata")
-        expected = np.load(os.path.join(directory, "linear_attention_v2.npz"))
-        model = saving.load_model(
-            os.path.join(directory, "linear_attention_v2.keras")
-        )
-        self.assertLen(model.weights, 46)
-        assert_close(
-            model(expected["inputs"]), expected["outputs"], FLOAT32_RTOL
-        )
+        if version == "v1":
+            causal = model.get_layer("causal")
+            self.assertEqual(causal.get_config()["feature_map"], "elu_plus_one")
+            _, state = causal(
+                expected["inputs"],
+                initial_state=causal.get_initial_state(2),
+                return_state=True,
+            )
+            assert_close(state[0], expected["key_value_state"], FLOAT32_RTOL)
+            assert_close(state[1], expected["key_state"], FLOAT32_RTOL)
 
     def test_dynamic_length_functional_model(self):
         inputs = layers.Input((None, INPUT_DIM))
@@ -1149,7 +1150,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         self.assertTrue(layer.feature_map.dense.built)
         self.assertLen(model.weights, 10)  # 8 of the projections, 2 map's
 
-    def test_feature_map_layer_under_mixed_precision(self):
+    def test_feature_maps_under_mixed_precision(self):
         # A map `Layer` made under a mixed policy computes in float16: its
         # features are cast back, so that keys, key sums and states stay
         # float32 (before, TensorFlow and PyTorch failed adding float16
@@ -1172,23 +1173,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             for actual, wanted in zip(state, expected_state):
                 self.assertDType(actual, "float32")
                 assert_close(actual, wanted, MIXED_FLOAT16_RTOL)
-
-    def test_feature_map_weights_are_not_autocast(self):
-        # Read in float32 inside the layer's bfloat16 autocast scope.
-        for extension, name in (
-            ("favor_plus", "random_features"),
-            ("hedgehog", "kernel"),
-        ):
-            layer = make_layer(config=extension, dtype="mixed_bfloat16")
-            with backend.AutocastScope("bfloat16"):
-                self.assertDType(
-                    getattr(layer.feature_map_layer, name).value, "float32"
-                )
-
-    def test_feature_map_runs_in_the_accumulator_dtype(self):
-        # Under mixed precision, a callable map gets float32 queries and
-        # keys, one step (recurrent) or many (chunkwise), not the
-        # projections' bfloat16.
+        # A callable map gets float32 queries and keys, one step or many,
+        # not the projections' bfloat16.
         seen = []
 
         def feature_map(x):
@@ -1201,6 +1187,16 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         for length in (1, 9):
             layer(random_inputs((BATCH, length, INPUT_DIM)))
         self.assertEqual(set(seen), {"float32"})
+        # The maps' weights are read in float32 inside the layer's bfloat16
+        # autocast scope.
+        for config, name in (
+            ("favor_plus", "random_features"),
+            ("hedgehog", "kernel"),
+        ):
+            layer = make_layer(config=config, dtype="mixed_bfloat16")
+            with backend.AutocastScope("bfloat16"):
+                weight = getattr(layer.feature_map_layer, name)
+                self.assertDType(weight.value, "float32")
 
     def test_hedgehog_kernel_constraint_per_head(self):
         # As on the dense kernels, whose first axis is the input axis:
@@ -1220,37 +1216,6 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             np.ones((kernel.shape[0], kernel.shape[2])),
             FLOAT32_RTOL,
         )
-
-    def test_favor_plus_seed_forms(self):
-        # Beyond `test_redraw_random_features` above.
-        layer = make_layer(feature_map="favor_plus", num_features=8, seed=1)
-        features = backend.convert_to_numpy(
-            layer.feature_map_layer.random_features
-        )
-        numpy_seed = make_layer(
-            feature_map="favor_plus", num_features=8, seed=np.int64(1)
-        )
-        self.assertAllEqual(
-            numpy_seed.feature_map_layer.random_features, features
-        )
-        self.assertIs(type(numpy_seed.get_config()["seed"]), int)
-        # Two unseeded layers after one reset of the global seed differ.
-        rng_utils.set_random_seed(11)
-        first = make_layer(feature_map="favor_plus", seed=None)
-        second = make_layer(feature_map="favor_plus", seed=None)
-        self.assertNotAllClose(
-            first.feature_map_layer.random_features,
-            second.feature_map_layer.random_features,
-        )
-        # Without a seed, each redraw draws new features (not the layer's
-        # seed again).
-        layer.redraw_random_features()
-        redrawn = backend.convert_to_numpy(
-            layer.feature_map_layer.random_features
-        )
-        layer.redraw_random_features()
-        self.assertNotAllClose(layer.feature_map_layer.random_features, redrawn)
-        self.assertNotAllClose(redrawn, features)
 
     @parameterized.named_parameters(
         (
@@ -1283,14 +1248,38 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         for block in (features[:, :3], features[:, 3:6]):
             gram = block.T @ block
             self.assertAllClose(gram - np.diag(np.diag(gram)), 0, atol=1e-5)
-        # Without a seed, the features follow keras.utils.set_random_seed.
+        # A NumPy seed is the same seed, an `int` in the config.
+        numpy_seed = make_layer(
+            feature_map=feature_map, num_features=8, seed=np.int64(1)
+        )
+        self.assertAllEqual(
+            numpy_seed.feature_map_layer.random_features, features
+        )
+        self.assertIs(type(numpy_seed.get_config()["seed"]), int)
+        # Without a seed, the features follow keras.utils.set_random_seed,
+        # and two layers after one reset differ.
         drawn = []
         for _ in range(2):
             rng_utils.set_random_seed(11)
-            unseeded = make_layer(feature_map=feature_map, seed=None)
-            features = unseeded.feature_map_layer.random_features
-            drawn.append(backend.convert_to_numpy(features))
+            drawn.append(
+                [
+                    backend.convert_to_numpy(
+                        make_layer(
+                            feature_map=feature_map, seed=None
+                        ).feature_map_layer.random_features
+                    )
+                    for _ in range(2)
+                ]
+            )
         self.assertAllEqual(drawn[0], drawn[1])
+        self.assertNotAllClose(drawn[0][0], drawn[0][1])
+        # Each redraw without a seed draws new features.
+        layer.redraw_random_features()
+        redrawn = backend.convert_to_numpy(
+            layer.feature_map_layer.random_features
+        )
+        layer.redraw_random_features()
+        self.assertNotAllClose(layer.feature_map_layer.random_features, redrawn)
 
     # Dropout, quantization and mixed precision.
 
@@ -1453,10 +1442,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # 1000 with fractions that float16 and bfloat16 cannot hold, and
         # the state is a sum over steps from it.
         zeros = layer.get_initial_state(BATCH)
-        start = tuple(
-            (1000.0 + random_inputs(tuple(s.shape), seed=3)).astype("float32")
-            for s in zeros
-        )
+        start = _state_near_1000(zeros)
         for length in (1, LENGTH):  # the recurrent and the parallel path
             x = random_inputs((BATCH, length, INPUT_DIM))
             _, from_zeros = layer(x, initial_state=zeros, return_state=True)
@@ -1477,9 +1463,21 @@ class LinearAttentionRobustnessTest(testing.TestCase):
     def test_mixed_precision_state_passed_in_other_ways(self, dtype):
         # Beyond `test_mixed_precision_state_is_float32`:
         # the state passed by position (with a mask), as variables (read
-        # outside the layer's autocast scope), and through a subclassed
-        # model that does not cast its arguments, is not rounded either.
+        # outside the layer's autocast scope), through a subclassed model
+        # that does not cast its arguments, and to a subclass whose `call`
+        # takes no `training` (dropped, as upstream does), is not rounded.
+        class WithoutTraining(LinearAttention):
+            def call(self, inputs, initial_state=None, return_state=False):
+                return super().call(
+                    inputs,
+                    initial_state=initial_state,
+                    return_state=return_state,
+                )
+
         layer = make_layer(causal=True, dtype=f"mixed_{dtype}")
+        subclass = WithoutTraining.from_config(layer.get_config())
+        subclass.build((None, None, INPUT_DIM))
+        subclass.set_weights(layer.get_weights())
         start = _state_near_1000(layer.get_initial_state(BATCH))
         for length in (1, LENGTH):  # the recurrent and the parallel path
             x = random_inputs((BATCH, length, INPUT_DIM))
@@ -1496,40 +1494,17 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             )
             wrapper = _StreamingModel(layer, dtype=layer.dtype_policy)
             _, through_model = wrapper(x, start)
-            for other in (by_position, from_variables, through_model):
+            _, without_training = subclass(
+                x, initial_state=start, return_state=True, training=False
+            )
+            for other in (
+                by_position,
+                from_variables,
+                through_model,
+                without_training,
+            ):
                 for actual, expected in zip(other, from_start):
                     self.assertAllEqual(actual, expected)
-
-    def test_mixed_precision_state_in_subclass_without_training(self):
-        # `training`, which this `call` does not take, is dropped as
-        # upstream does; the state still reaches `call` unrounded.
-        class WithoutTraining(LinearAttention):
-            def call(self, inputs, initial_state=None, return_state=False):
-                return super().call(
-                    inputs,
-                    initial_state=initial_state,
-                    return_state=return_state,
-                )
-
-        layer = WithoutTraining(
-            NUM_HEADS, KEY_DIM, causal=True, dtype="mixed_bfloat16"
-        )
-        x = random_inputs()
-        zeros = layer.get_initial_state(BATCH)
-        start = _state_near_1000(zeros)
-        _, from_zeros = layer(
-            x, initial_state=zeros, return_state=True, training=False
-        )
-        _, from_start = layer(
-            x, initial_state=start, return_state=True, training=False
-        )
-        for actual, base, expected in zip(from_start, from_zeros, start):
-            assert_close(
-                backend.convert_to_numpy(actual)
-                - backend.convert_to_numpy(base),
-                expected,
-                FLOAT32_RTOL,
-            )
 
     def test_functional_model_with_state_under_mixed_precision(self):
         # The model's graph holds the layer's arguments as given (no casts
@@ -1709,18 +1684,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # errors are 0.73 -> 0.35 (uniform: 0.88).
         x = 0.5 * random_inputs((2, 16, INPUT_DIM))
         dims = {"num_heads": 2, "key_dim": 4, "value_dim": 4}
-        base = make_layer(**dims)
-        # NumPy weights, so that every backend measures the same numbers.
-        rng = np.random.RandomState(0)
-        for variable in base.weights:
-            scale = 0.1 if "bias" in variable.path else 0.4
-            variable.assign(scale * rng.normal(size=variable.shape))
-        weights = np_weights(base)
-
-        query, key, value = (
-            np_project(base, weights, x.astype("float64"), name)
-            for name in ("query", "key", "value")
-        )
+        base, weights, (query, key, value) = _numpy_weights_layer(x, **dims)
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / 2.0
         for causal in (False, True):
             if causal:
@@ -2053,17 +2017,8 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         length, window, num_features = 256, 32, 64
         dims = {"num_heads": 2, "key_dim": 8, "value_dim": 8}
         x = 0.5 * random_inputs((2, length, INPUT_DIM))
-        base = make_layer(causal=True, **dims)
-        # NumPy weights, so that every backend measures the same numbers.
-        rng = np.random.RandomState(0)
-        for variable in base.weights:
-            scale = 0.1 if "bias" in variable.path else 0.4
-            variable.assign(scale * rng.normal(size=variable.shape))
-        weights = np_weights(base)
-
-        query, key, value = (
-            np_project(base, weights, x.astype("float64"), name)
-            for name in ("query", "key", "value")
+        base, weights, (query, key, value) = _numpy_weights_layer(
+            x, causal=True, **dims
         )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(8.0)
         causal = np.tril(np.ones((length, length), bool))

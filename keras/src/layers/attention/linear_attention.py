@@ -1,4 +1,4 @@
-import contextlib
+import functools
 import math
 import numbers
 import warnings
@@ -14,7 +14,9 @@ from keras.src import regularizers
 from keras.src import tree
 from keras.src.api_export import keras_export
 from keras.src.layers.attention import linear_attention_core as core
-from keras.src.layers.attention import linear_attention_feature_maps
+from keras.src.layers.attention import (
+    linear_attention_feature_maps as feature_maps,
+)
 from keras.src.layers.core.einsum_dense import EinsumDense
 from keras.src.layers.input_spec import InputSpec
 from keras.src.layers.layer import Layer
@@ -28,8 +30,6 @@ _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 _SUMS = ("key_value_state", "key_state")
 _CONV_STATE = ("conv_queries", "conv_keys", "conv_values")
 _WINDOW_STATE = ("window_keys", "window_values", "window_valid")
-# The largest seed that every backend's dropout takes: PyTorch's is an int32.
-_MAX_DROPOUT_SEED = 2**31 - 1
 
 
 @keras_export("keras.layers.LinearAttention")
@@ -55,11 +55,10 @@ class LinearAttention(Layer):
             `key_dim`.
         output_shape: Size of the output's last dimension. Defaults to the
             last dimension of `inputs`.
-        feature_map: `"elu_plus_one"` (default), `"relu"`, `"favor_plus"`
-            (Performer), `"hedgehog"` (learnable), `"random_fourier"`
-            (RFA), `"taylor"` (Based, `1 + key_dim (key_dim + 3) / 2`
-            features), `"cosformer"` (not streamable), or a registered
-            callable or `Layer`.
+        feature_map: `"elu_plus_one"` (default), `"relu"`, `"favor_plus"`,
+            `"hedgehog"`, `"random_fourier"`, `"taylor"`, `"cosformer"` (not
+            streamable), a `FeatureMap` from
+            `keras.layers.linear_attention_feature_maps`, or a callable.
         use_normalizer: Boolean, whether to divide the outputs by
             `phi(q) . z + normalization_epsilon`. Defaults to `True`.
         normalization_epsilon: Positive float added to the normalizer (and
@@ -70,8 +69,7 @@ class LinearAttention(Layer):
         use_bias: Boolean, whether the dense layers use bias vectors.
         execution_mode: Causal algorithm: `"parallel"` (chunkwise),
             `"recurrent"` (one step per token) or `"auto"` (recurrent for
-            single tokens); the same results up to rounding. Graphs traced
-            for any length, as `model.export()` writes them, run chunkwise.
+            single tokens); the same results up to rounding.
         kernel_initializer: Initializer for dense layer kernels.
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
@@ -83,22 +81,19 @@ class LinearAttention(Layer):
             features of `"favor_plus"` and `"random_fourier"`.
         num_key_value_heads: Number of key and value heads, as in
             `GroupedQueryAttention`. Defaults to `num_heads`.
-        num_features: Features of `"favor_plus"` (default `4 * key_dim`),
-            `"hedgehog"` and `"random_fourier"` (even, default
-            `2 * key_dim`).
+        num_features: Features per head of `"favor_plus"`, `"hedgehog"` and
+            `"random_fourier"` (even).
         local_window: Optional positive integer `W`: exact softmax over the
             unmasked steps closer than `W` (causal: the last `W`), the
             feature map beyond, weighted by a trainable `far_log_scale` per
             head, which starts on the window's scale for the feature map.
         decay: Causal layers only: the state's forgetting factor per step,
-            a float in (0, 1], a list of one per key/value head, `"retnet"`
-            (`1 - 2^(-5 - h)` for head `h`), `"learned"` (a trainable one per
-            head) or `"input_dependent"` (a gate per step and head read
-            from its key; both start at RetNet's decays).
+            a float in (0, 1], a list of one per key/value head, `"retnet"`,
+            `"learned"` (one per head) or `"input_dependent"` (a gate per
+            step and head, read from its key).
         conv_kernel_size: Optional integer `K >= 2`: a depthwise
-            convolution of width `K` over time on the projected queries,
-            keys and values, before the feature map (causal for causal
-            layers, centred otherwise). It helps recall.
+            convolution of width `K` over time of the projected queries,
+            keys and values (causal for causal layers). It helps recall.
         projection_dtypes: Optional dict from projection names to dtype
             policies, written by `get_config()` for quantized projections.
 
@@ -106,27 +101,22 @@ class LinearAttention(Layer):
         inputs: Tensor of shape `(batch_size, sequence_length, input_dim)`.
         mask: Optional boolean tensor of shape
             `(batch_size, sequence_length)`, `True` for valid steps. Masked
-            steps are not there for the state, window or convolution, and
-            their outputs are zero.
+            steps are skipped and their outputs are zero.
         initial_state: Causal layers only: the state from
             `get_initial_state()` or from a call with `return_state=True`.
         return_state: Causal layers only: whether to also return the state.
         training: Python boolean, whether to apply dropout.
         segment_ids: Optional integer tensor of shape `(batch_size,
-            sequence_length)` for rows packed with several documents: a
-            step attends only to steps of the same id, as if each
-            document were alone. Not for `"cosformer"`.
+            sequence_length)` for rows packed with several documents: each
+            document is attended to as if it were alone.
 
     Returns:
         outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`.
-        state: Only if `return_state=True`: `(key_value_state, key_state)`
-            of shapes `(batch_size, num_key_value_heads, features,
-            value_dim)` and `(batch_size, num_key_value_heads, features)`
-            (`(key_value_state,)` without the normalizer); then, with
-            `conv_kernel_size`, the last `K - 1` projected queries, keys
-            and values; then, with `local_window`, the last `W` projected
-            keys, values and valid flags; then, with `segment_ids`, the
-            id of the last step, so that the next call can continue it.
+        state: Only if `return_state=True`: the tuple that the next call
+            takes as `initial_state`: the sums `(key_value_state,
+            key_state)` (no `key_state` without the normalizer), the
+            convolution's and the window's last projected steps if any,
+            and with `segment_ids` the last step's id.
 
     Examples:
 
@@ -148,15 +138,6 @@ class LinearAttention(Layer):
     >>> streamed = keras.ops.concatenate([y1, y2], axis=1)
     >>> bool(keras.ops.all(keras.ops.abs(streamed - full) < 1e-4))
     True
-
-    Performer features, with 4 query heads sharing 2 key/value heads:
-
-    >>> layer = keras.layers.LinearAttention(
-    ...     num_heads=4, key_dim=4, num_key_value_heads=2, causal=True,
-    ...     feature_map="favor_plus", num_features=64, seed=0,
-    ... )
-    >>> [tuple(s.shape) for s in layer.get_initial_state(batch_size=3)]
-    [(3, 2, 64, 4), (3, 2, 64)]
     """
 
     # Chunk length of the causal "parallel" algorithm.
@@ -192,6 +173,8 @@ class LinearAttention(Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        # Keras checks the inputs' rank, and that there is one input.
+        self.input_spec = InputSpec(ndim=3)
         if isinstance(output_shape, (list, tuple)) and len(output_shape) == 1:
             output_shape = output_shape[0]
         for name, value, least in (
@@ -202,6 +185,7 @@ class LinearAttention(Layer):
             ("num_key_value_heads", num_key_value_heads, 1),
             ("local_window", local_window, 1),
             ("conv_kernel_size", conv_kernel_size, 2),
+            ("seed", seed, 0),
         ):
             if value is not None and not _is_integer(value, least):
                 raise ValueError(
@@ -248,11 +232,11 @@ class LinearAttention(Layer):
         self._activity_regularizer = regularizers.get(activity_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
-        self.seed = _check_seed(seed, _MAX_DROPOUT_SEED if dropout else None)
+        self.seed = _optional_int(seed)
         if isinstance(feature_map, dict):
-            feature_map = linear_attention_feature_maps.deserialize(feature_map)
+            feature_map = feature_maps.deserialize(feature_map)
         self.feature_map = feature_map
-        self._feature_map = linear_attention_feature_maps.get(
+        self._feature_map = feature_maps.get(
             feature_map,
             self.key_dim,
             causal=self.causal,
@@ -282,10 +266,9 @@ class LinearAttention(Layer):
         ):
             # Unnormalized outputs grow; a clamped normalizer can be near zero.
             warnings.warn(
-                "`LinearAttention` with a float16 compute dtype and "
                 f"use_normalizer={self.use_normalizer}, feature_map="
-                f"{self.feature_map!r}: the outputs can overflow float16. "
-                "Use `mixed_bfloat16` or float32.",
+                f"{self.feature_map!r}: outputs can overflow float16; use "
+                "`mixed_bfloat16` or float32.",
                 stacklevel=2,
             )
 
@@ -316,9 +299,8 @@ class LinearAttention(Layer):
         return self._output_dense
 
     def build(self, input_shape):
-        input_shape = _check_input_shape(input_shape)
+        input_shape = tuple(input_shape)
         input_dim = input_shape[-1]
-        self.input_spec = InputSpec(axes={-1: input_dim})
         output_dim = self._output_shape or input_dim
         # Einsum variables: b = batch, t = time, m = input features,
         # h = heads, d = key_dim, e = value_dim, o = output features.
@@ -340,15 +322,12 @@ class LinearAttention(Layer):
         for dense in (self._query_dense, self._key_dense, self._value_dense):
             dense.build(input_shape)
         self._output_dense.build((None, None, heads, self.value_dim))
+        self.input_spec = InputSpec(ndim=3, axes={-1: input_dim})
         self._feature_map.build((None, None, kv_heads, self.key_dim))
         if self.local_window is not None:
-            self.far_log_scale = self.add_weight(
-                name="far_log_scale",
-                shape=(heads,),
-                initializer=initializers.Constant(
-                    self._feature_map.initial_far_log_scale
-                ),
-                autocast=False,
+            scale = self._feature_map.initial_far_log_scale
+            self.far_log_scale = self._add_weight(
+                "far_log_scale", (heads,), initializers.Constant(scale)
             )
         self._conv_kernels = None
         if self.conv_kernel_size is not None:
@@ -356,11 +335,10 @@ class LinearAttention(Layer):
             # `Conv1d`: uniform within 1/sqrt(fan_in).
             bound = self.conv_kernel_size**-0.5
             self._conv_kernels = [
-                self.add_weight(
-                    name=f"{name}_conv_kernel",
-                    shape=(self.conv_kernel_size, count, size),
-                    initializer=initializers.RandomUniform(-bound, bound),
-                    autocast=False,
+                self._add_weight(
+                    f"{name}_conv_kernel",
+                    (self.conv_kernel_size, count, size),
+                    initializers.RandomUniform(-bound, bound),
                 )
                 for name, count, size in (
                     ("query", heads, self.key_dim),
@@ -370,44 +348,48 @@ class LinearAttention(Layer):
             ]
         if self.decay in ("learned", "input_dependent"):
             # gamma = sigmoid(decay_logit) stays in (0, 1).
-            self.decay_logit = self.add_weight(
-                name="decay_logit",
-                shape=(kv_heads,),
-                initializer=_retnet_decay_logits,
-                autocast=False,
+            self.decay_logit = self._add_weight(
+                "decay_logit", (kv_heads,), _retnet_decay_logits
             )
         if self.decay == "input_dependent":
             # Zeros: a fresh layer forgets as `"learned"` does.
-            self.decay_kernel = self.add_weight(
-                name="decay_kernel",
-                shape=(kv_heads, self.key_dim),
-                initializer="zeros",
-                autocast=False,
+            self.decay_kernel = self._add_weight(
+                "decay_kernel", (kv_heads, self.key_dim), "zeros"
             )
         self._dropout_layer = None
         if self.dropout > 0:
+            # PyTorch's dropout takes int32 seeds.
+            seed = None if self.seed is None else self.seed % 2**31
             self._dropout_layer = Dropout(
-                rate=self.dropout, dtype=self.dtype_policy, seed=self.seed
+                rate=self.dropout, dtype=self.dtype_policy, seed=seed
             )
 
-    def redraw_random_features(self, seed=None):
-        """Draws new random features (`"favor_plus"`, `"random_fourier"`).
+    def _add_weight(self, name, shape, initializer):
+        # Read in the accumulator dtype, never cast to the compute dtype.
+        return self.add_weight(
+            name=name, shape=shape, initializer=initializer, autocast=False
+        )
 
-        They are drawn when the layer is built and saved with it; redrawing
-        them during training (e.g. from a callback, reaching the layer
-        through `self.model`) is optional.
+    def redraw_random_features(self, seed=None):
+        """Draws new random features (`"favor_plus"`, `"random_fourier"`),
+        which are otherwise drawn once, when the layer is built.
 
         Args:
             seed: Optional non-negative integer. Defaults to a seed drawn
                 from NumPy's global generator.
         """
-        if not self.built or not hasattr(self._feature_map, "redraw"):
+        if (
+            not self.built
+            or not hasattr(self._feature_map, "redraw")
+            or not (seed is None or _is_integer(seed, 0))
+        ):
             raise ValueError(
                 "`redraw_random_features()` needs a built layer with "
-                "feature_map='favor_plus' or 'random_fourier'. Received: "
-                f"feature_map={self.feature_map!r}, built={self.built}"
+                "feature_map='favor_plus' or 'random_fourier', and a `seed` "
+                "of None or a non-negative integer. Received: feature_map="
+                f"{self.feature_map!r}, built={self.built}, seed={seed!r}"
             )
-        self._feature_map.redraw(_check_seed(seed))
+        self._feature_map.redraw(_optional_int(seed))
 
     def _projection(self, name, equation, output_shape, bias_axes):
         policy = self.dtype_policy
@@ -434,23 +416,8 @@ class LinearAttention(Layer):
             dtype=self._projection_dtypes.get(name, policy),
         )
 
-    def _changed_projection_dtypes(self):
-        """The projections' policies that differ from the layer's (such as
-        after `Model.quantize()`), by name, to rebuild their variables."""
-        if not self.built:
-            return {}
-        projections = (self.query_dense, self.key_dense, self.value_dense)
-        return {
-            dense.name: dtype_policies.serialize(dense.dtype_policy)
-            for dense in projections + (self.output_dense,)
-            if dense.dtype_policy.name
-            != self._projection_base_dtypes[dense.name]
-        }
-
     def get_initial_state(self, batch_size):
-        """Returns the zero state of a causal layer.
-
-        The layer does not need to be built.
+        """Returns the zero state of a causal layer (built or not).
 
         Args:
             batch_size: Python integer or scalar integer tensor.
@@ -493,27 +460,21 @@ class LinearAttention(Layer):
         if 1 < len(args) <= len(names) and not positional.keys() & kwargs:
             # Workaround: `Layer.__call__` also passes the inputs' mask as
             # `mask=` when `mask` is given by position ("multiple values").
-            kwargs = {**positional, **kwargs}
-            args = args[:1]
-        # A carried float32 state is wrapped so that `Layer.__call__` does
-        # not cast it to the compute dtype; symbolic calls and bad arguments
-        # go through unchanged.
+            kwargs, args = {**positional, **kwargs}, args[:1]
         inputs = args[0] if args else kwargs.get(names[0])
-        initial_state = kwargs.get("initial_state")
+        state = kwargs.get("initial_state")
         if (
-            not self._convert_input_args
-            or self.input_dtype == self.accumulator_dtype
-            or not isinstance(initial_state, (list, tuple))
-            or any(map(backend.is_keras_tensor, (inputs, *initial_state)))
+            self._convert_input_args
+            and self.input_dtype != self.accumulator_dtype
+            and isinstance(state, (list, tuple))
+            and not any(map(backend.is_keras_tensor, (inputs, *state)))
         ):
-            return super().__call__(*args, **kwargs)
-        with backend.AutocastScope(None):
-            kwargs["initial_state"] = _UncastState(
-                tuple(
-                    x.value if isinstance(x, backend.Variable) else x
-                    for x in initial_state
-                )
-            )
+            # Workaround: `Layer.__call__` casts every float tensor argument
+            # to the compute dtype; a wrapped float32 state passes uncast.
+            with backend.AutocastScope(None):
+                variables = [isinstance(x, backend.Variable) for x in state]
+                state = [x.value if v else x for x, v in zip(state, variables)]
+            kwargs["initial_state"] = _UncastState(tuple(state))
         return super().__call__(*args, **kwargs)
 
     def call(
@@ -525,13 +486,13 @@ class LinearAttention(Layer):
         training=None,
         segment_ids=None,
     ):
-        carried_id, initial_state = self._check_call_arguments(
-            inputs, initial_state, return_state, segment_ids
-        )
         # `Layer.__call__` passes the inputs' mask only to calls with one
         # tensor argument, not to calls with `initial_state`.
         if mask is None:
             mask = backend.get_keras_mask(inputs)
+        carried_id, initial_state = self._check_call_arguments(
+            inputs, mask, initial_state, return_state, segment_ids
+        )
         mask = _standardize_mask(mask, inputs)
         lengths = order = back = None
         if mask is not None:
@@ -545,16 +506,12 @@ class LinearAttention(Layer):
                 order, inputs, mask, segment_ids
             )
         dtype = self.accumulator_dtype
-        # The state by name (empty for non-causal layers).
-        state = {}
-        if self.causal:
-            initial_state = initial_state or self._zero_state(
-                ops.shape(inputs)[0]
-            )
-            state = {
-                name: ops.cast(x, dtype)
-                for name, x in zip(self._state_shapes(), initial_state)
-            }
+        # The state by name (zeros for a non-causal call's window).
+        initial_state = initial_state or self._zero_state(ops.shape(inputs)[0])
+        state = {
+            name: ops.cast(x, dtype)
+            for name, x in zip(self._state_shapes(), initial_state)
+        }
         documents, carried_id = core.count_documents(
             segment_ids, inputs, mask, lengths, carried_id, dtype
         )
@@ -582,6 +539,30 @@ class LinearAttention(Layer):
         state = tuple(state[name] for name in self._state_shapes())
         return outputs, state + (() if carried_id is None else (carried_id,))
 
+    def _project(self, inputs, mask, state, documents, lengths):
+        """The queries, keys and values `(batch, time, heads, size)` in the
+        accumulator dtype, through the short convolution if any, which
+        takes its carried steps from the `state` dict and puts the last
+        ones there."""
+        denses = (self._query_dense, self._key_dense, self._value_dense)
+        kernels = self._conv_kernels or (None,) * 3
+        outputs = []
+        for dense, kernel, name in zip(denses, kernels, _CONV_STATE):
+            x = ops.cast(dense(inputs), self.accumulator_dtype)
+            if kernel is not None:
+                # Masked steps enter as zeros.
+                x, last = core.short_convolution(
+                    _masked(x, mask),
+                    ops.cast(kernel, x.dtype),
+                    state.get(name),
+                    documents,
+                    lengths,
+                )
+                if self.causal:
+                    state[name] = last
+            outputs.append(x)
+        return outputs
+
     def _attend(self, tensors, lengths):
         """Attention of the projected `(query, key, value, valid, state,
         documents, order)`: the outputs per head and the state."""
@@ -592,115 +573,56 @@ class LinearAttention(Layer):
                 lambda x: x if x is None else ops.convert_to_numpy(x), tensors
             )
         query, key, value, valid, state, documents, order = tensors
-        # Maps that weigh by position (they do not stream) keep the call's.
-        positions = None if self._feature_map.streams else order
+        batch, length = ops.shape(query)[:2]
         if 0 in query.shape[:2]:
             # An empty piece of a stream passes the state through; an empty
             # batch has no chunks to count.
-            shape = tuple(ops.shape(value)[:2])
-            shape += (self.num_heads, self.value_dim)
+            shape = (batch, length, self.num_heads, self.value_dim)
             return ops.zeros(shape, self.accumulator_dtype), state
-        if self.local_window is not None:
-            return self._local_window(
-                query, key, value, valid, state, documents, lengths, positions
-            )
-        return self._linear(
-            query, key, value, valid, state, documents, positions
+        feature_map = self._feature_map
+        # Maps that weigh by position (they do not stream) keep the call's.
+        order = None if feature_map.streams else order
+        readout = functools.partial(
+            core.normalize,
+            epsilon=self.normalization_epsilon,
+            clamp=not feature_map.non_negative,
         )
-
-    def _project(self, inputs, mask, state, documents=None, lengths=None):
-        """The queries, keys and values `(batch, time, heads, size)` in the
-        accumulator dtype, through the short convolution if any, which
-        takes its carried steps from the `state` dict and puts the last
-        ones there."""
-        dtype = self.accumulator_dtype
-        projections = [
-            ops.cast(dense(inputs), dtype)
-            for dense in (self._query_dense, self._key_dense, self._value_dense)
-        ]
-        if self._conv_kernels is None:
-            return projections
-        outputs = []
-        for x, kernel, name in zip(
-            projections, self._conv_kernels, _CONV_STATE
-        ):
-            # Masked steps enter as zeros.
-            x, last = core.short_convolution(
-                _masked(x, mask),
-                ops.cast(kernel, x.dtype),
-                state.get(name),
-                documents,
-                lengths,
-            )
-            if self.causal:
-                state[name] = last
-            outputs.append(x)
-        return outputs
-
-    def _readout(self, numerator, denominator):
-        return core.normalize(
-            numerator,
-            denominator,
-            self.normalization_epsilon,
-            clamp=not self._feature_map.non_negative,
-        )
-
-    def _features(self, x, positions=None, scaled=False):
-        """The feature map, at `positions` in the call (`(batch, time)`
-        where the unmasked steps were put first) or at its steps; with
-        `scaled`, `scaled_features`."""
-        length = None if positions is None else ops.shape(x)[1]
-        if scaled:
-            return self._feature_map.scaled_features(x, positions, length)
-        return self._feature_map.features(x, positions, length)
-
-    def _linear(
-        self, query, key, value, valid, state, documents=None, order=None
-    ):
-        """The plain layer: feature maps, then linear attention."""
+        log_scale = None
         if self.use_normalizer:
             # A per-token factor of a query cancels in its normalized output.
-            query, _ = self._features(query, order, scaled=True)
+            features, log_scale = feature_map.scaled_features(
+                query, order, length
+            )
         else:
-            query = self._features(query, order)
+            features = feature_map.features(query, order, length)
+        if self.local_window is not None:
+            queries = (query * self.key_dim**-0.5, features, log_scale)
+            steps = (key, value, valid, documents)
+            args = (state, readout, lengths, order)
+            return self._local_window(queries, steps, *args)
         log_gates = self._log_gates(valid, key)
         # Masked after the feature map, which is not zero at zero.
-        key = _masked(self._features(key, order), valid)
+        key = _masked(feature_map.features(key, order, length), valid)
         if not self.causal:
-            outputs = core.non_causal(
-                query,
-                key,
-                value,
-                self._readout,
-                self.use_normalizer,
-                documents,
-                self._chunk_size,
-            )
-            return outputs, state
+            args = (readout, self.use_normalizer, documents, self._chunk_size)
+            return core.non_causal(features, key, value, *args), state
         sums = tuple(state[name] for name in _SUMS if name in state)
-        args = (query, key, value, sums, log_gates, self._readout)
+        args = (features, key, value, sums, log_gates, readout)
         if self._use_recurrent(query):
             outputs, sums = core.stepwise(*args, documents)
         else:
             outputs, sums = core.chunkwise(*args, self._chunk_size, documents)
         return outputs, {**state, **dict(zip(_SUMS, sums))}
 
-    def _local_window(
-        self,
-        query,
-        key,
-        value,
-        valid,
-        state,
-        documents=None,
-        lengths=None,
-        order=None,
-    ):
-        """Softmax over the last `local_window` steps, linear beyond."""
+    def _local_window(self, queries, steps, state, readout, lengths, order):
+        """Softmax over the last `local_window` steps, linear beyond, of the
+        scaled queries, their features and log-scales, and the keys,
+        values, valids and documents of the steps."""
+        query, features, log_scale = queries
+        key, value, valid, documents = steps
         batch, length = ops.shape(query)[:2]
         if valid is None:
             valid = ops.ones((batch, length), query.dtype)
-        query_features, log_scale = self._features(query, order, scaled=True)
 
         def key_features(keys, positions):
             if order is not None:
@@ -715,25 +637,22 @@ class LinearAttention(Layer):
         far_bias = ops.cast(self.far_log_scale, query.dtype) + (
             ops.zeros_like(query[..., 0]) if log_scale is None else log_scale
         )
-        # The carried window (zeros for a non-causal call) precedes inputs.
-        if not self.causal:
-            state = dict(zip(self._state_shapes(), self._zero_state(batch)))
+        # The carried window precedes the inputs.
         keys, values, valids = (state[name] for name in _WINDOW_STATE)
         keys = ops.concatenate([keys, ops.swapaxes(key, 1, 2)], axis=2)
         values = ops.concatenate([values, ops.swapaxes(value, 1, 2)], axis=2)
         if documents is not None:
             # The carried window is document 0.
-            documents = ops.concatenate(
-                [ops.zeros_like(valids), documents], axis=1
-            )
+            zeros = ops.zeros_like(valids)
+            documents = ops.concatenate([zeros, documents], axis=1)
         valids = ops.concatenate([valids, valid], axis=1)
         recurrent_mode = self.causal and self._use_recurrent(query)
         outputs, last = core.local_window(
-            (query * self.key_dim**-0.5, query_features, far_bias),
+            (query, features, far_bias),
             (keys, values, valids, documents),
             key_features,
             tuple(state[name] for name in _SUMS),
-            self._readout,
+            readout,
             self.local_window,
             self._log_gates(valids, ops.swapaxes(keys, 1, 2)),
             causal_mode=self.causal,
@@ -778,26 +697,31 @@ class LinearAttention(Layer):
         """Refuses a state where the layer has none to carry."""
         if not self.causal or not self._feature_map.streams:
             raise ValueError(
-                "A state (`initial_state`, `return_state`, "
-                "`get_initial_state()`) is only supported by causal layers "
-                "whose feature map streams (not 'cosformer'). Received: "
-                f"causal={self.causal}, feature_map={self.feature_map!r}, "
-                f"{received}"
+                "A state is only supported by causal layers whose feature "
+                "map streams (not 'cosformer'). Received: causal="
+                f"{self.causal}, feature_map={self.feature_map!r}, {received}"
             )
 
     def _check_call_arguments(
-        self, inputs, initial_state, return_state, segment_ids=None
+        self, inputs, mask, initial_state, return_state, segment_ids
     ):
         """Checks the call's arguments; returns the carried document id
         (or `None`) and the rest of `initial_state`."""
         if isinstance(initial_state, _UncastState):
             initial_state = initial_state.state
-        shape = getattr(inputs, "shape", None)
-        _check_input_shape(shape or tree.map_structure(ops.shape, inputs))
         if not backend.is_float_dtype(inputs.dtype):
             raise ValueError(
                 "`inputs` must be a floating-point tensor (embed tokens "
                 f"first). Received: inputs with dtype={inputs.dtype}"
+            )
+        shape = tuple(getattr(mask, "shape", ()))
+        if mask is not None and not _fits(shape, inputs.shape[:2], 1):
+            raise ValueError(
+                "`mask` must be a tensor of shape (batch_size, "
+                "sequence_length) or broadcastable to it (a state is passed "
+                "as `initial_state=`; no cross-attention). Received: "
+                f"{type(mask).__name__} of shape {shape} for inputs of shape "
+                f"{tuple(inputs.shape)}"
             )
         if return_state or initial_state is not None:
             self._check_streaming(f"return_state={return_state}")
@@ -807,35 +731,30 @@ class LinearAttention(Layer):
             or not _fits(ids.shape, inputs.shape[:2])
             or not self._feature_map.streams
         ):
+            shape = tuple(getattr(ids, "shape", ()))
             raise ValueError(
-                "`segment_ids` must be an integer tensor of shape "
-                f"{tuple(inputs.shape[:2])} (batch_size, sequence_length), "
-                "with a feature map that streams (not 'cosformer'). "
-                f"Received: {type(ids).__name__} of dtype "
-                f"{getattr(ids, 'dtype', None)} and shape "
-                f"{tuple(getattr(ids, 'shape', ()))}, feature_map="
+                "`segment_ids` must be integers of shape "
+                f"{tuple(inputs.shape[:2])}, with a feature map that streams "
+                f"(not 'cosformer'). Received: {type(ids).__name__} of shape "
+                f"{shape}, dtype {getattr(ids, 'dtype', None)}, feature_map="
                 f"{self.feature_map!r}"
             )
         if initial_state is None:
             return None, None
-        shapes = self._state_shapes()
+        shapes = self._state_shapes().values()
+        expected = [(inputs.shape[0],) + shape for shape in shapes]
         carried_id = None
-        if len(initial_state) == len(shapes) + 1:
+        if len(initial_state) == len(expected) + 1:
             # A packed call's state ends with the last step's document id.
             carried_id, initial_state = initial_state[-1], initial_state[:-1]
-        expected = [(inputs.shape[0],) + shape for shape in shapes.values()]
         received = [tuple(getattr(x, "shape", ())) for x in initial_state]
-        if (
-            len(received) != len(expected)
-            or not all(map(_fits, received, expected))
-            or not backend.is_int_dtype(getattr(carried_id, "dtype", "int32"))
-        ):
+        id_dtype = getattr(carried_id, "dtype", "int32")
+        if not _fits(received, expected) or not backend.is_int_dtype(id_dtype):
             raise ValueError(
                 f"`initial_state` must have the shapes {expected} (then a "
-                "packed call's last document ids, integers), as "
-                "`get_initial_state()` returns them. Received: shapes "
-                f"{received}"
-                + ("" if carried_id is None else f" and {carried_id.dtype}")
+                "packed call's last ids), as `get_initial_state()` returns "
+                f"them. Received: shapes {received}"
+                + ("" if carried_id is None else f" and ids of {id_dtype}")
             )
         return carried_id, tuple(initial_state)
 
@@ -847,22 +766,16 @@ class LinearAttention(Layer):
         return _standardize_mask(previous_mask, inputs)
 
     def compute_output_shape(self, input_shape):
-        input_shape = _check_input_shape(input_shape)
+        input_shape = tuple(input_shape)
         return input_shape[:-1] + (self._output_shape or input_shape[-1],)
 
     def compute_output_spec(
-        self,
-        inputs,
-        mask=None,
-        initial_state=None,
-        return_state=False,
-        training=None,
-        segment_ids=None,
+        self, inputs, mask=None, initial_state=None, return_state=False, **kw
     ):
+        segment_ids = kw.get("segment_ids")
         carried_id, _ = self._check_call_arguments(
-            inputs, initial_state, return_state, segment_ids
+            inputs, mask, initial_state, return_state, segment_ids
         )
-        _standardize_mask(mask, inputs)
         outputs = backend.KerasTensor(
             self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
         )
@@ -880,9 +793,7 @@ class LinearAttention(Layer):
             "key_dim": self.key_dim,
             "value_dim": self.value_dim,
             "output_shape": self._output_shape,
-            "feature_map": linear_attention_feature_maps.serialize(
-                self.feature_map
-            ),
+            "feature_map": feature_maps.serialize(self.feature_map),
             "use_normalizer": self.use_normalizer,
             "normalization_epsilon": self.normalization_epsilon,
             "causal": self.causal,
@@ -909,16 +820,23 @@ class LinearAttention(Layer):
             "decay": self.decay,
             "conv_kernel_size": self.conv_kernel_size,
         }
-        projection_dtypes = self._changed_projection_dtypes()
-        if projection_dtypes:
-            config["projection_dtypes"] = projection_dtypes
+        if self.built:
+            # The projections' policies that differ from the layer's (as
+            # after `Model.quantize()`), so that their variables load.
+            dense_layers = (self.query_dense, self.key_dense, self.value_dense)
+            changed = {
+                dense.name: dtype_policies.serialize(dense.dtype_policy)
+                for dense in dense_layers + (self.output_dense,)
+                if dense.dtype_policy.name
+                != self._projection_base_dtypes[dense.name]
+            }
+            if changed:
+                config["projection_dtypes"] = changed
         return {**super().get_config(), **config}
 
 
 class _UncastState:
     """A state passed through `Layer.__call__` uncast (see `__call__`)."""
-
-    __slots__ = ("state",)
 
     def __init__(self, state):
         self.state = state
@@ -939,20 +857,26 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _is_real(value, kind=numbers.Real):
-    """Whether `value` is a real number (NumPy's too), not a boolean."""
-    return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
-
-
 def _is_integer(value, minimum):
+    """Whether `value` is an integer (NumPy's too, not a boolean) of at
+    least `minimum`."""
     return _is_real(value, numbers.Integral) and value >= minimum
 
 
-def _fits(shape, expected):
-    """Whether `shape` is `expected` where both sizes are known."""
-    pairs = list(zip(shape, expected))
-    return len(shape) == len(expected) and all(
-        None in pair or pair[0] == pair[1] for pair in pairs
+def _is_real(value, kind=numbers.Real):
+    return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+
+
+def _fits(shape, expected, broadcast=None):
+    """Whether `shape` (or a list of shapes) is `expected` where both sizes
+    are known, or `broadcast`."""
+    if len(shape) != len(expected):
+        return False
+    if isinstance(expected, list):
+        return all(map(_fits, shape, expected))
+    return all(
+        None in pair or pair[0] in (pair[1], broadcast)
+        for pair in zip(shape, expected)
     )
 
 
@@ -962,22 +886,22 @@ def _optional_int(value):
 
 def _check_decay(decay, num_key_value_heads, causal):
     """`decay` as `None`, a schedule's name, a float or a list of floats."""
-    if decay is not None and not causal:
-        raise ValueError(
-            "`decay` needs `causal=True`: non-causal attention has no order "
-            f"to decay along. Received: decay={decay!r}, causal={causal}"
-        )
-    if decay is None or (isinstance(decay, str) and decay in _DECAY_SCHEDULES):
+    if decay is None or (
+        causal and isinstance(decay, str) and decay in _DECAY_SCHEDULES
+    ):
         return decay
     is_list = isinstance(decay, (list, tuple))
     values = list(decay) if is_list else [decay]
-    if len(values) != (num_key_value_heads if is_list else 1) or not all(
-        _is_real(g) and 0 < g <= 1 for g in values
+    if (
+        not causal
+        or len(values) != (num_key_value_heads if is_list else 1)
+        or not all(_is_real(g) and 0 < g <= 1 for g in values)
     ):
         raise ValueError(
-            "`decay` must be `None`, a float in (0, 1], a list of "
-            f"num_key_value_heads={num_key_value_heads} such floats, "
-            f"or one of {_DECAY_SCHEDULES}. Received: decay={decay!r}"
+            "`decay` needs `causal=True`, and must be a float in (0, 1], a "
+            f"list of num_key_value_heads={num_key_value_heads} such floats, "
+            f"or one of {_DECAY_SCHEDULES}. Received: decay={decay!r}, "
+            f"causal={causal}"
         )
     values = [float(g) for g in values]
     return values if is_list else values[0]
@@ -994,49 +918,10 @@ def _retnet_decay_logits(shape, dtype=None):
     return ops.convert_to_tensor(np.log(decays / (1.0 - decays)), dtype=dtype)
 
 
-def _check_seed(seed, largest=None):
-    """`seed` as a Python `int` or `None`, if non-negative (NumPy and JAX
-    refuse negative seeds) and at most `largest` (PyTorch's dropout)."""
-    if seed is None or (_is_integer(seed, 0) and seed <= (largest or seed)):
-        return _optional_int(seed)
-    raise ValueError(
-        "`seed` must be `None` or a non-negative integer"
-        + ("" if largest is None else f" of at most {largest} with dropout")
-        + f". Received: seed={seed!r}"
-    )
-
-
-def _check_input_shape(shape):
-    """`shape` as a tuple, if it is the shape of one rank-3 input."""
-    # Several inputs' shapes stay a list or a dict, and are refused.
-    with contextlib.suppress(ValueError):
-        shape = backend.standardize_shape(shape)
-    if not isinstance(shape, tuple) or len(shape) != 3 or shape[-1] is None:
-        raise ValueError(
-            "`inputs` must be one tensor (self-attention: no "
-            "cross-attention) of rank 3, (batch_size, sequence_length, "
-            "input_dim), with a known input_dim. Received input shape(s): "
-            f"{shape}"
-        )
-    return shape
-
-
 def _standardize_mask(mask, inputs):
     """Returns `mask` as a boolean `(batch, time)` tensor, or `None`."""
     if mask is None:
         return None
-    shape = tuple(getattr(mask, "shape", ()))
-    if len(shape) != 2 or any(
-        None not in (dim, other) and dim not in (1, other)
-        for dim, other in zip(shape, inputs.shape[:2])
-    ):
-        raise ValueError(
-            "`mask` must be a tensor of shape (batch_size, sequence_length) "
-            "or broadcastable to it (a state is passed as `initial_state=`; "
-            "no cross-attention). "
-            f"Received: mask of type {type(mask).__name__} with shape "
-            f"{shape} for inputs of shape {tuple(inputs.shape)}"
-        )
     mask = ops.convert_to_tensor(mask)
     if backend.standardize_dtype(mask.dtype) != "bool":
         mask = ops.not_equal(mask, 0)

@@ -434,7 +434,7 @@ class LinearAttentionTest(testing.TestCase):
         # `linear_attention_feature_maps_test.py`.)
         x, layer = random_inputs(), make_layer(causal=True)
         for message, call in (
-            ("rank 3", lambda: layer(x[:, 0])),
+            ("expected ndim=3", lambda: layer(x[:, 0])),
             ("floating", lambda: layer(x.astype("int32"))),
             ("axis -1 .* value 8", lambda: layer(x[..., :6])),
             (
@@ -902,5 +902,5 @@ class LinearAttentionTest(testing.TestCase):
         for test in finder.find(LinearAttention, globs={"keras": keras}):
             runner.run(test)
         result = runner.summarize(verbose=False)
-        self.assertGreater(result.attempted, 10)
+        self.assertGreater(result.attempted, 5)
         self.assertEqual(result.failed, 0)
