@@ -10,6 +10,10 @@ masks, streams and gradients they compare are the unit test's, from
 
 import numpy as np
 
+from keras.src.layers.attention.linear_attention_test_utils import (
+    np_favor_exponent,
+)
+from keras.src.layers.attention.linear_attention_test_utils import np_features
 from keras.src.layers.attention.linear_attention_test_utils import to_float64
 
 
@@ -50,62 +54,25 @@ def np_feature(
     steps' indices in the call and its length (cosFormer), by default
     those of `y`'s time axis.
     """
-    if layer.feature_map == "elu_plus_one":
-        return np.where(y > 0, y + 1.0, np.exp(np.minimum(y, 0.0)))
-    if layer.feature_map == "relu":
-        return np.maximum(y, 0.0) + layer.normalization_epsilon
-    if layer.feature_map == "cosformer":
-        # [r cos(pi i / 2M), r sin(pi i / 2M)], r = relu(y) + epsilon.
-        if positions is None:
-            positions = np.arange(y.shape[1])
-        angle = np.pi * np.asarray(positions, "float64") / 2
-        angle = (angle / (length or y.shape[1]))[:, None, None]
-        r = np.maximum(y, 0.0) + layer.normalization_epsilon
-        return np.concatenate([r * np.cos(angle), r * np.sin(angle)], -1)
-    if layer.feature_map == "random_fourier":
-        # sqrt(1/m) [sin, cos] of w . x / sigma for the unit vector x; head
-        # i uses the bandwidth of its key/value head.
-        y = y / np.sqrt(np.sum(y**2, -1, keepdims=True) + 1e-12)
-        sigma = np.exp(weights["feature_map/log_bandwidth"])
-        sigma = sigma[np.arange(y.shape[2]) * len(sigma) // y.shape[2]]
-        y = y @ weights["feature_map/random_features"] / sigma[:, None]
-        frequencies = weights["feature_map/random_features"].shape[1]
-        return np.concatenate([np.sin(y), np.cos(y)], -1) / np.sqrt(frequencies)
-    if layer.feature_map == "taylor":
-        # [1, x / d^(1/4), then x_i x_j / sqrt(2 d) for i <= j, row by row,
-        # doubled (in the dot product) where i < j: the pairs of x x^T].
-        d = y.shape[-1]
-        pairs = [
-            y[..., i] * y[..., j] * (1.0 if i < j else 0.5**0.5)
-            for i in range(d)
-            for j in range(i, d)
-        ]
-        return np.concatenate(
-            [
-                np.ones_like(y[..., :1]),
-                y / d**0.25,
-                np.stack(pairs, -1) / d**0.5,
-            ],
-            axis=-1,
+    prefix = "feature_map/"
+    weights = {
+        name[len(prefix) :]: value
+        for name, value in weights.items()
+        if name.startswith(prefix)
+    }
+    if layer.feature_map != "favor_plus" or not (
+        is_query and (hybrid or layer.use_normalizer)
+    ):
+        epsilon = layer.normalization_epsilon
+        return np_features(
+            layer.feature_map, weights, y, epsilon, positions, length
         )
-    if layer.feature_map == "hedgehog":
-        # Head i uses the matrix of its key/value head.
-        kernel = weights["feature_map/kernel"]
-        kernel = kernel[np.arange(y.shape[2]) * len(kernel) // y.shape[2]]
-        y = np.einsum("bthd,hdf->bthf", y, kernel)
-        y = np.exp(np.concatenate([y, -y], axis=-1))
-        return y / np.sum(y, axis=-1, keepdims=True)
-    # FAVOR+: exp(w . x' - |x'|^2 / 2) / sqrt(m), x' = x / key_dim^(1/4).
-    projection = weights["feature_map/random_features"]
-    y = y / layer.key_dim**0.25
-    exponent = y @ projection - 0.5 * np.sum(y**2, -1, keepdims=True)
-    if is_query and hybrid:
-        return np.exp(exponent) / np.sqrt(projection.shape[1])
-    if is_query and layer.use_normalizer:
-        # A per-token factor that cancels in the ratio.
-        exponent = exponent - np.max(exponent, axis=-1, keepdims=True)
-    exponent = np.minimum(exponent, 60.0)  # the layer's overflow cap
-    return np.exp(exponent) / np.sqrt(projection.shape[1])
+    exponent = np_favor_exponent(weights, y)
+    if not hybrid:
+        # A per-token factor that cancels in the ratio, then the cap.
+        exponent -= np.max(exponent, axis=-1, keepdims=True)
+        exponent = np.minimum(exponent, 60.0)
+    return np.exp(exponent) / np.sqrt(exponent.shape[-1])
 
 
 def np_log_gates(layer, weights, key):

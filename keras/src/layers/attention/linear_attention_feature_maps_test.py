@@ -15,6 +15,7 @@ from keras.src.layers.attention.linear_attention import LinearAttention
 from keras.src.layers.attention.linear_attention_test_utils import (
     float64_enabled,
 )
+from keras.src.layers.attention.linear_attention_test_utils import np_features
 from keras.src.layers.attention.linear_attention_test_utils import to_float64
 from keras.src.utils import rng_utils
 
@@ -68,61 +69,6 @@ def _map(name, **kwargs):
         noise = np.random.RandomState(2).uniform(-0.5, 0.5, weight.shape)
         weight.assign(to_float64(weight) + noise)
     return feature_map
-
-
-def _per_head(weight, heads):
-    """Per key/value head `weight` for `heads` heads, repeated by group."""
-    return weight[np.arange(heads) * len(weight) // heads]
-
-
-def _np_features(name, feature_map, x, positions=None, length=None):
-    """`phi(x)` of `(batch, time, heads, key_dim)` x from the formulas."""
-    w = {v.name: to_float64(v) for v in feature_map.weights}
-    x = np.asarray(x, "float64")
-    d = x.shape[-1]
-    if name == "elu_plus_one":
-        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
-    if name == "relu":
-        return np.maximum(x, 0.0) + feature_map.epsilon
-    if name == "favor_plus":
-        # exp(w . x' - |x'|^2 / 2) / sqrt(m), x' = x / d^(1/4), capped.
-        x = x / d**0.25
-        exponent = x @ w["random_features"]
-        exponent -= 0.5 * np.sum(x**2, -1, keepdims=True)
-        num_features = w["random_features"].shape[1]
-        return np.exp(np.minimum(exponent, 60.0)) / np.sqrt(num_features)
-    if name == "hedgehog":
-        kernel = _per_head(w["kernel"], x.shape[2])
-        y = np.exp(np.einsum("bthd,hdf->bthf", x, kernel))
-        y = np.concatenate([y, 1.0 / y], -1)
-        return y / np.sum(y, -1, keepdims=True)
-    if name == "random_fourier":
-        # [sin, cos] / sqrt(m / 2) of w . x / sigma for the unit vector x.
-        x = x / np.sqrt(np.sum(x**2, -1, keepdims=True) + 1e-12)
-        sigma = np.exp(_per_head(w["log_bandwidth"], x.shape[2]))
-        y = x @ w["random_features"] / sigma[:, None]
-        return np.concatenate([np.sin(y), np.cos(y)], -1) / np.sqrt(y.shape[-1])
-    if name == "taylor":
-        # [1, x / d^(1/4), x_i x_j / sqrt(2 d) for i <= j, row by row, times
-        # sqrt(2) where i < j (the pair counts twice in x x^T)].
-        pairs = [
-            x[..., i] * x[..., j] * (1.0 if i < j else 0.5**0.5)
-            for i in range(d)
-            for j in range(i, d)
-        ]
-        return np.concatenate(
-            [
-                np.ones_like(x[..., :1]),
-                x / d**0.25,
-                np.stack(pairs, -1) / d**0.5,
-            ],
-            axis=-1,
-        )
-    # cosFormer: [r cos(pi i / 2M), r sin(pi i / 2M)], r = relu(x) + eps.
-    r = np.maximum(x, 0.0) + feature_map.epsilon
-    angle = np.pi * np.asarray(positions, "float64") / (2 * length)
-    angle = angle[:, None, None]
-    return np.concatenate([r * np.cos(angle), r * np.sin(angle)], -1)
 
 
 def _np_cosformer_layer(layer, x, mask):
@@ -223,7 +169,10 @@ class FeatureMapsTest(_TestCase):
         )
         self.assertEqual(feature_map.size, SIZES[name])
         self.assertEqual(tuple(features.shape), x.shape[:3] + (SIZES[name],))
-        expected = _np_features(name, feature_map, x, positions, length)
+        weights = {v.name: to_float64(v) for v in feature_map.weights}
+        expected = np_features(
+            name, weights, x, feature_map.epsilon, positions, length
+        )
         self.assertClose(features, expected)
 
     @parameterized.named_parameters((name, name) for name in MAPS)

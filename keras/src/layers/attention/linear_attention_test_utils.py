@@ -215,3 +215,62 @@ def stream(layer, x, sizes, mask=None, segment_ids=None):
         outputs.append(backend.convert_to_numpy(y))
         start += size
     return np.concatenate(outputs, axis=1), state
+
+
+def np_features(name, weights, x, epsilon, positions=None, length=None):
+    """`phi(x)` in float64 of `(batch, time, heads, key_dim)` x, from the
+    formula of the built-in map `name` and its `weights` by name (one row
+    per key/value head). cosFormer: at `positions` of a call of `length`
+    (by default `x`'s steps). FAVOR+ from `np_favor_exponent`, capped."""
+    x = np.asarray(x, "float64")
+    d = x.shape[-1]
+
+    def per_head(weight):
+        return weight[np.arange(x.shape[2]) * len(weight) // x.shape[2]]
+
+    if name == "elu_plus_one":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    if name == "relu":
+        return np.maximum(x, 0.0) + epsilon
+    if name == "favor_plus":
+        exponent = np_favor_exponent(weights, x)
+        return np.exp(np.minimum(exponent, 60.0)) / np.sqrt(exponent.shape[-1])
+    if name == "hedgehog":
+        y = np.exp(np.einsum("bthd,hdf->bthf", x, per_head(weights["kernel"])))
+        y = np.concatenate([y, 1.0 / y], -1)
+        return y / np.sum(y, -1, keepdims=True)
+    if name == "random_fourier":
+        # [sin, cos] / sqrt(m / 2) of w . x / sigma for the unit vector x.
+        x = x / np.sqrt(np.sum(x**2, -1, keepdims=True) + 1e-12)
+        sigma = np.exp(per_head(weights["log_bandwidth"]))
+        y = x @ weights["random_features"] / sigma[:, None]
+        return np.concatenate([np.sin(y), np.cos(y)], -1) / np.sqrt(y.shape[-1])
+    if name == "taylor":
+        # [1, x / d^(1/4), x_i x_j / sqrt(2 d) for i <= j, row by row, times
+        # sqrt(2) where i < j (the pair counts twice in x x^T)].
+        pairs = [
+            x[..., i] * x[..., j] * (1.0 if i < j else 0.5**0.5)
+            for i in range(d)
+            for j in range(i, d)
+        ]
+        ones = np.ones_like(x[..., :1])
+        return np.concatenate(
+            [ones, x / d**0.25, np.stack(pairs, -1) / d**0.5], -1
+        )
+    # cosFormer: [r cos(pi i / 2M), r sin(pi i / 2M)], r = relu(x) + eps.
+    if positions is None:
+        positions = np.arange(x.shape[1])
+    r = np.maximum(x, 0.0) + epsilon
+    angle = (
+        np.pi * np.asarray(positions, "float64") / (2 * (length or x.shape[1]))
+    )
+    angle = angle[:, None, None]
+    return np.concatenate([r * np.cos(angle), r * np.sin(angle)], -1)
+
+
+def np_favor_exponent(weights, x):
+    """FAVOR+'s `w . x' - |x'|^2 / 2` of `x' = x / key_dim^(1/4)`: its
+    features are `exp` of it over `sqrt(num_features)`."""
+    x = np.asarray(x, "float64") / x.shape[-1] ** 0.25
+    exponent = x @ weights["random_features"]
+    return exponent - 0.5 * np.sum(x**2, -1, keepdims=True)
