@@ -203,8 +203,13 @@ def test_safe_mode_does_not_import_a_module_named_in_the_file(
 
 
 @pytest.mark.requires_trainable_backend
-def test_model_saved_here_loads_on_the_next_backend(trained_lm, tmp_path):
-    target = NEXT_BACKEND[backend()]
+@pytest.mark.parametrize("other", ["next", "numpy"])
+def test_model_saved_here_loads_on_another_backend(trained_lm, tmp_path, other):
+    # The next training backend, and inference on NumPy (once per `make
+    # test`, from JAX).
+    if other == "numpy" and backend() != "jax":
+        pytest.skip("Runs once per `make test`: from JAX.")
+    target = NEXT_BACKEND[backend()] if other == "next" else "numpy"
     model_path = os.path.join(tmp_path, "lm.keras")
     inputs_path = os.path.join(tmp_path, "inputs.npy")
     outputs_path = os.path.join(tmp_path, "outputs.npy")
