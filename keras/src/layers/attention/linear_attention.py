@@ -23,7 +23,6 @@ from keras.src.layers.layer import Layer
 from keras.src.layers.regularization.dropout import Dropout
 
 _DECAY_SCHEDULES = ("retnet", "learned", "input_dependent")
-_PROJECTIONS = ("query", "key", "value", "attention_output")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
 # The state's elements by name: the sums of the plain algorithm, the short
 # convolution's last inputs and the window's last steps.
