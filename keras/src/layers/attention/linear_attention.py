@@ -80,16 +80,18 @@ class LinearAttention(Layer):
             features of `"favor_plus"` and `"random_fourier"`.
         num_key_value_heads: Number of key and value heads, as in
             `GroupedQueryAttention`. Defaults to `num_heads`.
-        num_features: Features per head of `"favor_plus"`, `"hedgehog"` and
-            `"random_fourier"` (even).
+        num_features: Features per head of `"favor_plus"` (default
+            `4 * key_dim`), `"hedgehog"` and `"random_fourier"` (even,
+            default `2 * key_dim`).
         local_window: Optional positive integer `W`: exact softmax over the
             unmasked steps closer than `W` (causal: the last `W`), the
             feature map beyond, weighted by a trainable `far_log_scale` per
             head, which starts on the window's scale for the feature map.
         decay: Causal layers only: the state's forgetting factor per step,
-            a float in (0, 1], a list of one per key/value head, `"retnet"`,
-            `"learned"` (one per head) or `"input_dependent"` (a gate per
-            step and head, read from its key).
+            a float in (0, 1], a list of one per key/value head, `"retnet"`
+            (`1 - 2^(-5 - h)` for head `h`), `"learned"` (one per head) or
+            `"input_dependent"` (a gate per step and head, read from its
+            key; both start at RetNet's).
         conv_kernel_size: Optional integer `K >= 2`: a depthwise
             convolution of width `K` over time of the projected queries,
             keys and values (causal for causal layers). It helps recall.
@@ -265,9 +267,10 @@ class LinearAttention(Layer):
         ):
             # Unnormalized outputs grow; a clamped normalizer can be near zero.
             warnings.warn(
+                "`LinearAttention` with a float16 compute dtype and "
                 f"use_normalizer={self.use_normalizer}, feature_map="
-                f"{self.feature_map!r}: outputs can overflow float16; use "
-                "`mixed_bfloat16` or float32.",
+                f"{self.feature_map!r}: the outputs can overflow float16. "
+                "Use `mixed_bfloat16` or float32.",
                 stacklevel=2,
             )
 
@@ -505,12 +508,16 @@ class LinearAttention(Layer):
                 order, inputs, mask, segment_ids
             )
         dtype = self.accumulator_dtype
-        # The state by name (zeros for a non-causal call's window).
-        initial_state = initial_state or self._zero_state(ops.shape(inputs)[0])
-        state = {
-            name: ops.cast(x, dtype)
-            for name, x in zip(self._state_shapes(), initial_state)
-        }
+        # The state by name: carried, or zeros (also for a non-causal
+        # window); none for other non-causal layers.
+        state = {}
+        if self.causal or self.local_window is not None:
+            batch = ops.shape(inputs)[0]
+            initial_state = initial_state or self._zero_state(batch)
+            state = {
+                name: ops.cast(x, dtype)
+                for name, x in zip(self._state_shapes(), initial_state)
+            }
         documents, carried_id = core.count_documents(
             segment_ids, inputs, mask, lengths, carried_id, dtype
         )
@@ -696,9 +703,11 @@ class LinearAttention(Layer):
         """Refuses a state where the layer has none to carry."""
         if not self.causal or not self._feature_map.streams:
             raise ValueError(
-                "A state is only supported by causal layers whose feature "
-                "map streams (not 'cosformer'). Received: causal="
-                f"{self.causal}, feature_map={self.feature_map!r}, {received}"
+                "A state (`initial_state`, `return_state`, "
+                "`get_initial_state()`) is only supported by causal layers "
+                "whose feature map streams (not 'cosformer'). Received: "
+                f"causal={self.causal}, feature_map={self.feature_map!r}, "
+                f"{received}"
             )
 
     def _check_call_arguments(
@@ -723,7 +732,10 @@ class LinearAttention(Layer):
                 f"{tuple(inputs.shape)}"
             )
         if return_state or initial_state is not None:
-            self._check_streaming(f"return_state={return_state}")
+            self._check_streaming(
+                f"initial_state={'given' if initial_state else None}, "
+                f"return_state={return_state}"
+            )
         ids = segment_ids
         if ids is not None and (
             not backend.is_int_dtype(getattr(ids, "dtype", "float32"))
@@ -769,9 +781,14 @@ class LinearAttention(Layer):
         return input_shape[:-1] + (self._output_shape or input_shape[-1],)
 
     def compute_output_spec(
-        self, inputs, mask=None, initial_state=None, return_state=False, **kw
+        self,
+        inputs,
+        mask=None,
+        initial_state=None,
+        return_state=False,
+        training=None,
+        segment_ids=None,
     ):
-        segment_ids = kw.get("segment_ids")
         carried_id, _ = self._check_call_arguments(
             inputs, mask, initial_state, return_state, segment_ids
         )
@@ -897,10 +914,10 @@ def _check_decay(decay, num_key_value_heads, causal):
         or not all(_is_real(g) and 0 < g <= 1 for g in values)
     ):
         raise ValueError(
-            "`decay` needs `causal=True`, and must be a float in (0, 1], a "
-            f"list of num_key_value_heads={num_key_value_heads} such floats, "
-            f"or one of {_DECAY_SCHEDULES}. Received: decay={decay!r}, "
-            f"causal={causal}"
+            "`decay` must be a float in (0, 1], a list of "
+            f"num_key_value_heads={num_key_value_heads} such floats, or one "
+            f"of {_DECAY_SCHEDULES}, with `causal=True`. Received: "
+            f"decay={decay!r}, causal={causal}"
         )
     values = [float(g) for g in values]
     return values if is_list else values[0]
