@@ -683,6 +683,11 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 make_layer(build=False, feature_map=feature_map, causal=causal)(
                     x
                 )
+        # The window's far sums, as a state, need the input's size.
+        with self.assertRaisesRegex(
+            ValueError, r"must return.*\(2, 70, 2, 3\)"
+        ):
+            make_layer(build=False, feature_map=doubled, local_window=4)(x)
         # Non-causal: any number of features, the same for queries and keys.
         non_causal = make_layer(build=False, feature_map=doubled)
         outputs = non_causal(x)

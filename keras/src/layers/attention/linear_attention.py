@@ -240,7 +240,8 @@ class LinearAttention(Layer):
         self._feature_map = feature_maps.get(
             feature_map,
             self.key_dim,
-            causal=self.causal,
+            # A state or the window's far sums need the input's size.
+            causal=self.causal or local_window is not None,
             num_features=num_features,
             seed=self.seed,
             epsilon=self.normalization_epsilon,
