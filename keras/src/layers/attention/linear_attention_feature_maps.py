@@ -469,9 +469,8 @@ def get(identifier, key_dim, causal=True, **options):
             config dict from `serialize()`, a `FeatureMap` (returned as
             it is), or a registered callable or `Layer` (wrapped).
         key_dim: Size of the queries and keys.
-        causal: Whether the map feeds a state (a causal layer's, or the
-            window's far sums), which needs a wrapped callable to keep its
-            input's shape.
+        causal: Whether the map feeds a state (or a window's far sums),
+            for which a wrapped callable must keep its input's shape.
         **options: Arguments of a named map, such as `num_features`.
     """
     if isinstance(identifier, dict):
