@@ -654,8 +654,9 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # Another input width than the layer was built with, symbolically.
         with self.assertRaisesRegex(ValueError, "axis -1 .* value 8"):
             make_layer(causal=True)(layers.Input((None, 6)))
-        with self.assertRaisesRegex(ValueError, "only supported by causal"):
-            make_layer(build=False)(x, initial_state=layer.get_initial_state(2))
+        for state in (layer.get_initial_state(2), random_inputs((2, 3))):
+            with self.assertRaisesRegex(ValueError, "only supported by causal"):
+                make_layer(build=False)(x, initial_state=state)
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
             make_layer(build=False).get_initial_state(BATCH)
 

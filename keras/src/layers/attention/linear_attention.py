@@ -734,7 +734,7 @@ class LinearAttention(Layer):
             )
         if return_state or initial_state is not None:
             self._check_streaming(
-                f"initial_state={'given' if initial_state else None}, "
+                f"initial_state={None if initial_state is None else '...'}, "
                 f"return_state={return_state}"
             )
         ids = segment_ids
