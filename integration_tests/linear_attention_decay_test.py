@@ -17,7 +17,7 @@ Beyond the unit test's small shapes:
   sequence.
 
 The projections are `linear_attention_reference.py`'s, the layers and
-small helpers the unit test's (`linear_attention_test_utils.py`).
+small helpers the shared `linear_attention_test_utils.py`'s.
 """
 
 import contextlib
