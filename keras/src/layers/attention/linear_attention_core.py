@@ -54,11 +54,13 @@ def non_causal(
         # A product and a sum: LiteRT has no builtin op for this einsum.
         own = ops.sum(_split_heads(query, heads) * ops.expand_dims(key, 3), -1)
         own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
-        numerator = forward[0] + ops.flip(backward[0], axis=1)
+        numerator, denominator = (
+            x if x is None else x + ops.flip(y, axis=1)
+            for x, y in zip(forward, backward)
+        )
         numerator -= ops.expand_dims(own, -1) * ops.repeat(value, group, 2)
-        denominator = None
         if use_normalizer:
-            denominator = forward[1] + ops.flip(backward[1], axis=1) - own
+            denominator -= own
         return readout(numerator, denominator)
     query = _split_heads(query, heads)
     key_value = ops.einsum("btkd,btke->bkde", key, value)
@@ -77,16 +79,15 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
     `y` and the next call's `previous`: the last `width - 1` of the first
     `lengths` steps (all by default) of the last one's document."""
     width = kernel.shape[0]
+    before = (width - 1) // 2 if previous is None else width - 1
+    after = width - 1 - before
     if previous is None:
-        before = (width - 1) // 2
-        padded = _append_zeros(_prepend_zeros(x, before), width - 1 - before)
+        padded = _append_zeros(_prepend_zeros(x, before), after)
     else:
-        before = width - 1
         padded = ops.concatenate([previous, x], axis=1)
     if documents is not None:
         # The padding is document 0: the carried steps' (or zeros).
-        documents = _prepend_zeros(documents, before)
-        documents = _append_zeros(documents, width - 1 - before)
+        documents = _append_zeros(_prepend_zeros(documents, before), after)
 
     def tap(x, j):
         # Slices that end relative to the end: no length enters the graph.
@@ -143,45 +144,33 @@ def count_documents(segment_ids, inputs, mask, lengths, carried_id, dtype):
         return None, carried_id
     # Tied to the inputs' batch size and length, which `torch.export` does
     # not otherwise relate to the ids'.
-    segment_ids = segment_ids + ops.zeros_like(
-        inputs[..., 0], segment_ids.dtype
-    )
-    first = segment_ids[:, :1]
+    ids = segment_ids + ops.zeros_like(inputs[..., 0], segment_ids.dtype)
+    first = ids[:, :1]
     if carried_id is not None:
-        first = ops.expand_dims(ops.cast(carried_id, segment_ids.dtype), 1)
-    ids = ops.concatenate([first, segment_ids], axis=1)
+        first = ops.expand_dims(ops.cast(carried_id, ids.dtype), 1)
+    ids = ops.concatenate([first, ids], axis=1)
     new = ids[:, 1:] != ids[:, :-1]
     if mask is not None:
         new = ops.logical_and(new, mask)
     documents = _cumsum(ops.cast(new, dtype), 1)
-    if lengths is None:
-        return documents, ids[:, -1]
-    return documents, steps_before(ids, lengths + 1, 1)[:, 0]
-
-
-def steps_before(x, end, count):
-    """The `count` steps of `x` `(batch, time, ...)` before step `end`
-    `(batch,)` of each row."""
-    steps = ops.arange(count, dtype="int32")
-    return _take_steps(x, ops.expand_dims(end, 1) - count + steps)
+    return documents, _last_steps(ids, 1, lengths, offset=1)[:, 0]
 
 
 def _last_steps(x, count, lengths=None, offset=0, documents=None):
     """The last `count` steps of `x` before step `lengths + offset` (or
     the end), zeros for steps of another document than the last one's."""
-    if lengths is None:
-        # Slices where every step counts: no length enters the graph.
-        x, documents = (
-            y if y is None else y[:, -count:] for y in (x, documents)
-        )
-    else:
-        x, documents = (
-            y if y is None else steps_before(y, lengths + offset, count)
-            for y in (x, documents)
-        )
+
+    def last(y):
+        if lengths is None:
+            # Slices where every step counts: no length enters the graph.
+            return y[:, -count:]
+        end = ops.expand_dims(lengths + offset, 1)
+        return _take_steps(y, end - count + ops.arange(count, dtype="int32"))
+
     if documents is None:
-        return x
-    return x * _expand_like(documents == documents[:, -1:], x)
+        return last(x)
+    documents = last(documents)
+    return last(x) * _expand_like(documents == documents[:, -1:], x)
 
 
 def _zero_state(key, value, use_normalizer):
@@ -200,15 +189,12 @@ def _expand_like(condition, x):
     return ops.expand_dims(condition, axes) if axes else condition
 
 
-def _starts(documents):
-    """1 where a document starts (the carried state is document 0)."""
-    previous = _prepend_zeros(documents, 1)[:, :-1]
-    return ops.cast(documents != previous, documents.dtype)
-
-
 def _resets(documents, log_gates, heads):
-    """`log_gates` (or none) with a zero gate where a new document starts."""
-    resets = ops.expand_dims(_starts(documents) * _RESET, -1)
+    """`log_gates` (or none) with a zero gate where a new document starts
+    (the carried state is document 0)."""
+    previous = _prepend_zeros(documents, 1)[:, :-1]
+    starts = ops.cast(documents != previous, documents.dtype)
+    resets = ops.expand_dims(starts * _RESET, -1)
     resets = resets + ops.zeros((1, 1, heads), documents.dtype)
     return resets if log_gates is None else resets + log_gates
 
@@ -219,10 +205,7 @@ def linear_step(state, query, key, value, log_gate=None):
     state and the query's numerators and denominators `(batch, kv_heads,
     group, ...)`."""
     if log_gate is not None:
-        gate = ops.expand_dims(ops.exp(log_gate), -1)
-        state = (state[0] * ops.expand_dims(gate, -1),) + tuple(
-            s * gate for s in state[1:]
-        )
+        state = tuple(s * _expand_like(ops.exp(log_gate), s) for s in state)
     query = _split_heads(query, key.shape[1])
     key_value = state[0] + ops.einsum("bkd,bke->bkde", key, value)
     numerator = ops.einsum("bkgd,bkde->bkge", query, key_value)
@@ -242,7 +225,6 @@ def recurrent(step, initial_state, sequences):
         # again on every call.
         state, outputs = step(initial_state, tuple(x[:, 0] for x in sequences))
         return ops.expand_dims(outputs, 1), state
-
     state, outputs = _scan(
         step, initial_state, tuple(ops.swapaxes(x, 0, 1) for x in sequences)
     )
@@ -259,10 +241,8 @@ def stepwise(query, key, value, state, log_gates, readout, documents=None):
         state, numerator, denominator = linear_step(state, *inputs)
         return state, _merge_heads(readout(numerator, denominator))
 
-    sequences = (query, key, value)
-    if log_gates is not None:
-        sequences += (log_gates,)
-    return recurrent(step, state, sequences)
+    gates = () if log_gates is None else (log_gates,)
+    return recurrent(step, state, (query, key, value) + gates)
 
 
 def chunkwise(
@@ -281,6 +261,8 @@ def chunkwise(
     scores = ops.einsum("xcd,xsd->xcs", query, key)
     shape = ops.shape(scores)
     scores = ops.reshape(scores, (-1, group, chunk, chunk))
+    if documents is not None:
+        log_gates = _resets(documents, log_gates, heads)
     chunk_gates = None
     if log_gates is None:
         scores = ops.tril(scores)
@@ -288,26 +270,20 @@ def chunkwise(
         scores, query, key, chunk_gates = _decay_in_chunks(
             scores, query, key, log_gates, batch, length, chunk
         )
-    if documents is not None:
-        same, reads, to_end, new = _documents_in_chunks(documents, heads, chunk)
-        scores = scores * ops.expand_dims(same, 1)
-        query = query * ops.expand_dims(ops.tile(reads, (1, group)), -1)
-        key = key * ops.expand_dims(to_end, -1)
-        chunk_gates = new if chunk_gates is None else chunk_gates + new
     scores = ops.reshape(scores, shape)
     numerator = ops.einsum("xcs,xse->xce", scores, value)
-
-    def per_chunk(x):
-        return ops.reshape(x, (batch, heads, -1) + tuple(x.shape[1:]))
-
     summaries = (ops.einsum("xcd,xce->xde", key, value),)
     if use_normalizer:
         # Apart from the values: a column of ones appended to them makes
         # the products' sizes odd, which XLA runs slower.
         summaries += (ops.sum(key, axis=1),)
     prefixes = [
-        prefix_over_chunks(start, per_chunk(summary), chunk_gates)
-        for start, summary in zip(state, summaries)
+        prefix_over_chunks(
+            start,
+            ops.reshape(x, (batch, heads, -1) + tuple(x.shape[1:])),
+            chunk_gates,
+        )
+        for start, x in zip(state, summaries)
     ]
     state = tuple(final for final, _ in prefixes)
     entering = [ops.reshape(x, (-1,) + tuple(x.shape[3:])) for _, x in prefixes]
@@ -339,26 +315,11 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
     scores = scores * ops.expand_dims(decay_matrix(gates), 1)
     elapsed = _cumsum(gates, -1)
     query = query * ops.expand_dims(ops.tile(ops.exp(elapsed), (1, group)), -1)
-    key = key * ops.expand_dims(ops.exp(elapsed[:, -1:] - elapsed), -1)
+    # The gates after each key to its chunk's end as a sum: a difference of
+    # sums would lose the others to a new document's gate.
+    later = ops.flip(_cumsum(ops.flip(gates, -1), -1), -1)
+    key = key * ops.expand_dims(ops.exp(_append_zeros(later[:, 1:], 1)), -1)
     return scores, query, key, ops.reshape(elapsed[:, -1], (batch, heads, -1))
-
-
-def _documents_in_chunks(documents, heads, chunk):
-    """Per row of chunks: which keys each query reads, which queries read
-    the entering state, which keys reach the chunk's end; and log-gates
-    `(batch, heads, chunks)` that stop the state where documents start."""
-    # The documents started so far in each chunk; the padding starts none.
-    starts = _starts(documents)
-    starts = _append_zeros(starts, _padding(ops.shape(starts)[1], chunk))
-    starts = ops.reshape(starts, (ops.shape(starts)[0], 1, -1, chunk))
-    counts = _cumsum(starts + ops.zeros((1, heads, 1, 1), starts.dtype), -1)
-    new = ops.where(counts[..., -1] > 0, _RESET, 0.0)
-    counts = ops.reshape(counts, (-1, chunk))
-    same = ops.expand_dims(counts, -1) == ops.expand_dims(counts, 1)
-    return tuple(
-        ops.cast(x, starts.dtype)
-        for x in (same, counts == 0, counts == counts[:, -1:], new)
-    )
 
 
 def prefix_over_chunks(initial, summaries, chunk_gates=None):
@@ -373,27 +334,30 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     summaries = ops.reshape(summaries, (rows, chunks, -1))
     features = ops.shape(summaries)[-1]
     # Whole blocks; the number of chunks is a tensor for unknown lengths.
-    block = _PREFIX_BLOCK
-    if isinstance(chunks, int):
-        block = min(block, chunks)
+    block = min(_PREFIX_BLOCK, chunks if isinstance(chunks, int) else math.inf)
     padding = _padding(chunks, block)
     summaries = _append_zeros(summaries, padding)
     summaries = ops.reshape(summaries, (rows, -1, block, features))
     # The blocks as one batch axis: PyTorch's `einsum` runs one batched
     # product (`ops.matmul` demotes float64 to float32 on PyTorch).
     blocks = ops.reshape(summaries, (-1, block, features))
-    gates = None
-    if chunk_gates is not None:
-        gates = ops.reshape(chunk_gates, (rows, chunks))
-        gates = ops.reshape(_append_zeros(gates, padding), (-1, block))
-    within, block_totals, before = _within_blocks(blocks, gates)
-    within = ops.reshape(within, ops.shape(summaries))
+    if chunk_gates is None:
+        decay = ops.tril(ops.ones((block, block), blocks.dtype))
+        decay = ops.broadcast_to(decay, (ops.shape(blocks)[0], block, block))
+    else:
+        gates = _append_zeros(ops.reshape(chunk_gates, (rows, chunks)), padding)
+        gates = ops.reshape(gates, (-1, block))
+        decay = decay_matrix(gates)
+    # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
+    strictly_lower = _prepend_zeros(decay, 1)[:, :-1]
+    within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
     # Across blocks: the state after each block (the first row is the
     # initial state).
+    block_totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
     block_totals = ops.reshape(block_totals, (rows, -1, features))
     initial_rows = ops.reshape(initial, (rows, 1, features))
     totals = ops.concatenate([initial_rows, block_totals], axis=1)
-    if gates is None:
+    if chunk_gates is None:
         totals = _cumsum(totals, 1)
     else:
         block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
@@ -402,10 +366,13 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
     # slice in the wrong place.
     earlier = ops.expand_dims(totals[:, :-1], 2)
-    if before is not None:
+    if chunk_gates is not None:
+        # The gates before each chunk, as a sum (a new document's is no
+        # difference of sums).
+        before = ops.exp(_cumsum(_prepend_zeros(gates, 1)[:, :-1], -1))
         before = ops.reshape(before, ops.shape(summaries)[:3])
         earlier = ops.expand_dims(before, -1) * earlier
-    entering = within + earlier
+    entering = ops.reshape(within, ops.shape(summaries)) + earlier
     entering = ops.reshape(entering, (rows, -1, features))
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
@@ -413,28 +380,6 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
         ops.reshape(totals[:, -1], ops.shape(initial)),
         ops.reshape(entering, shape),
     )
-
-
-def _within_blocks(blocks, gates):
-    """For `(n, block, f)` summaries and `(n, block)` gates (or `None`):
-    the sums entering each chunk, the block's total, and the decay from
-    the block's start to each chunk (or `None`)."""
-    if gates is None:
-        block = blocks.shape[1]
-        decay = ops.tril(ops.ones((block, block), blocks.dtype))
-        decay = ops.broadcast_to(decay, (ops.shape(blocks)[0], block, block))
-    else:
-        decay = decay_matrix(gates)
-    # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
-    strictly_lower = _prepend_zeros(decay, 1)[:, :-1]
-    within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
-    totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
-    if gates is None:
-        return within, totals, None
-    # The gates before each chunk, as a sum (a new document's is no
-    # difference of sums).
-    earlier = _prepend_zeros(gates, 1)[:, :-1]
-    return within, totals, ops.exp(_cumsum(earlier, -1))
 
 
 def decay_matrix(log_gates):
@@ -470,32 +415,23 @@ def local_window(
 ):
     """Softmax over the closest `window` steps and the plain algorithm on
     keys `window` steps back (non-causal: each way), under one normalizer,
-    by chunks or (`chunk=None`) by steps: the outputs and the state (far
-    sums, the last `window` keys, values and valids of the first `lengths`
-    steps).
-
-    `queries`: the scaled queries, their features and the far part's
-    log-weight per query. `steps`: keys, values `(batch, kv_heads, window +
-    time, ...)`, valids and documents (or `None`), as `log_gates`: the
-    `window` steps before the inputs, then the inputs. `key_features(keys,
-    positions)`: the keys' features.
-    """
+    by chunks or (`chunk=None`) by steps. `queries`: the scaled queries,
+    their features and the far part's log-weight; `steps`: keys, values
+    `(batch, kv_heads, window + time, ...)`, valids and documents (or
+    `None`), as `log_gates`: the `window` steps before the inputs, then
+    the inputs. Returns the outputs and the state: the far sums, and the
+    last `window` steps (of the last one's document) of the first
+    `lengths` inputs."""
     keys, values, valids, documents = steps
-    # Positions of the steps, as a sum rather than a range of a traced
-    # length (which jax2onnx cannot convert).
-    positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1 - window
     gates = None if log_gates is None else log_gates[:, window:]
     inputs = None if documents is None else documents[:, window:]
-    far_keys, far_values = _delayed(
-        steps, log_gates, key_features, positions, window
-    )
+    delayed = _delayed(steps, log_gates, key_features, window)
     if chunk is None:
         # The window as a ring buffer in the state.
         if inputs is not None:
             gates = _resets(inputs, gates, keys.shape[1])
-        sequences = tuple(queries)
-        sequences += tuple(_heads_first(x[:, :, window:]) for x in steps[:2])
-        sequences += (valids[:, window:], far_keys, far_values)
+        current = [ops.swapaxes(x[:, :, window:], 1, 2) for x in steps[:2]]
+        sequences = (*queries, *current, valids[:, window:], *delayed)
         sequences += () if gates is None else (gates,)
         state = tuple(far_state) + (keys[:, :, :window], values[:, :, :window])
         state += (valids[:, :window],)
@@ -504,30 +440,24 @@ def local_window(
     query, query_features, far_bias = queries
     span = window if causal_mode else 2 * window - 1
     numerator, denominator, maximum = _window_chunkwise(
-        query, keys, values, valids, window, span, chunk, documents
+        query, steps, window, span, chunk
     )
     features = query_features * ops.expand_dims(ops.exp(far_bias - maximum), -1)
     far, far_state = chunkwise(
-        features, far_keys, far_values, far_state, gates, None, chunk, inputs
+        features, *delayed, far_state, gates, None, chunk, inputs
     )
     if not causal_mode:
         after = _far_after(features, steps, key_features, window, chunk)
         far = (far[0] + after[0], far[1] + after[1])
     outputs = readout(numerator + far[0], denominator + far[1])
-    return outputs, tuple(far_state) + _last_window(steps, window, lengths)
-
-
-def _last_window(steps, window, lengths):
-    """The last `window` keys, values and valids (of the last step's
-    document) of the first `lengths` inputs."""
-    keys, values, valids, documents = steps
     last = functools.partial(
         _last_steps, count=window, lengths=lengths, offset=window
     )
     keys, values = (
         ops.swapaxes(last(ops.swapaxes(x, 1, 2)), 1, 2) for x in (keys, values)
     )
-    return keys, values, last(valids, documents=documents)
+    window_state = (keys, values, last(valids, documents=documents))
+    return outputs, tuple(far_state) + window_state
 
 
 def _far_after(query_features, steps, key_features, window, chunk):
@@ -540,38 +470,36 @@ def _far_after(query_features, steps, key_features, window, chunk):
         inputs = ops.flip(x[head + (slice(window, None),)], axis=axis)
         return ops.concatenate([x[head + (slice(window),)], inputs], axis)
 
-    valids, documents = steps[2:]
     steps = [
         x if x is None else reverse(x, axis)
         for x, axis in zip(steps, (2, 2, 1, 1))
     ]
-    positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
-    far_keys, far_values = _delayed(
-        steps, None, key_features, ops.flip(positions, 0) + window, window
+    delayed = _delayed(steps, None, key_features, window, reverse=True)
+    documents = None if steps[3] is None else steps[3][:, window:]
+    args = (*delayed, _zero_state(*delayed, True))
+    far, _ = chunkwise(
+        ops.flip(query_features, axis=1), *args, None, None, chunk, documents
     )
-    documents = None if documents is None else steps[3][:, window:]
-    query_features = ops.flip(query_features, axis=1)
-    state = _zero_state(far_keys, far_values, True)
-    (numerator, denominator), _ = chunkwise(
-        query_features,
-        far_keys,
-        far_values,
-        state,
-        None,
-        None,
-        chunk,
-        documents,
-    )
-    return ops.flip(numerator, axis=1), ops.flip(denominator, axis=1)
+    return tuple(ops.flip(x, axis=1) for x in far)
 
 
-def _delayed(steps, log_gates, key_features, positions, window):
+def _delayed(steps, log_gates, key_features, window, reverse=False):
     """The keys' features and values `window` steps back `(batch, time,
     kv_heads, ...)`: zero where masked or of another document, decayed by
-    the gates since they arrived, as in the plain layer's state."""
+    the gates since they arrived, as in the plain layer's state; with
+    `reverse`, of steps in reverse order."""
     keys, values, valids, documents = steps
     length = ops.shape(valids)[1] - window
-    keys, values = (_heads_first(x[:, :, :length]) for x in (keys, values))
+    # Positions as a sum, not a range of a traced length (which jax2onnx
+    # cannot convert).
+    positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
+    if reverse:
+        positions = ops.flip(positions, 0) + window
+    else:
+        positions = positions - window
+    keys, values = (
+        ops.swapaxes(x[:, :, :length], 1, 2) for x in (keys, values)
+    )
     features = key_features(keys, positions)
     # A key leaves the window only at an unmasked step.
     weights = valids[:, :length] * valids[:, window:]
@@ -616,17 +544,14 @@ def _local_window_step(state, inputs, readout):
     keys, values, valids = (
         push(w, x) for w, x in zip(window_state, (key, value, valid))
     )
-    scores = ops.einsum(
-        "bkgd,bkwd->bkgw", _split_heads(query, keys.shape[1]), keys
-    )
-    weights, maximum = window_softmax(
-        scores, ops.expand_dims(valids, (1, 2)) > 0
-    )
+    query = _split_heads(query, keys.shape[1])
+    scores = ops.einsum("bkgd,bkwd->bkgw", query, keys)
+    allowed = ops.expand_dims(valids, (1, 2)) > 0
+    weights, maximum = window_softmax(scores, allowed)
     numerator = ops.einsum("bkgw,bkwe->bkge", weights, values)
     denominator = ops.sum(weights, axis=-1)
-    far_weight = ops.exp(
-        far_bias - _merge_heads(ops.expand_dims(maximum, -1))[..., 0]
-    )
+    maximum = _merge_heads(ops.expand_dims(maximum, -1))[..., 0]
+    far_weight = ops.exp(far_bias - maximum)
     far_state, far_numerator, far_denominator = linear_step(
         far_state, query_features * ops.expand_dims(far_weight, -1), *inputs[6:]
     )
@@ -634,13 +559,12 @@ def _local_window_step(state, inputs, readout):
     return far_state + (keys, values, valids), _merge_heads(outputs)
 
 
-def _window_chunkwise(
-    query, keys, values, valids, window, span, chunk, documents=None
-):
+def _window_chunkwise(query, steps, window, span, chunk):
     """The window part of `local_window` by chunks: step `t` of `query`
-    attends to steps `t + 1` to `t + span` of the `keys`, `values` and
-    `valids`, which begin `window` steps before it. Returns numerators,
-    denominators and stabilizers `(batch, time, heads, ...)`."""
+    attends to steps `t + 1` to `t + span` of the `steps`, which begin
+    `window` steps before it. Returns numerators, denominators and
+    stabilizers `(batch, time, heads, ...)`."""
+    keys, values, valids, documents = steps
     batch, length = ops.shape(query)[:2]
     heads, group = keys.shape[1], query.shape[2] // keys.shape[1]
     # Each query chunk reads this many key chunks, from its own on.
@@ -671,9 +595,9 @@ def _window_chunkwise(
     # Query c of a chunk and key s of its blocks are steps c and
     # s - window of the chunk.
     offset = ops.arange(blocks * chunk) - ops.expand_dims(ops.arange(chunk), 1)
-    band = ops.logical_and(offset > 0, offset <= span)
+    valid = ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
     allowed = ops.logical_and(
-        band, ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
+        ops.logical_and(offset > 0, offset <= span), valid
     )
     if documents is not None:
         # Each query's own document, against its blocks' keys'.
@@ -690,11 +614,6 @@ def _window_chunkwise(
     outputs = ops.concatenate([numerator, denominator, maximum], axis=-1)
     outputs = _from_chunks(outputs, batch, length, heads, chunk)
     return outputs[..., :-2], outputs[..., -2], outputs[..., -1]
-
-
-def _heads_first(x):
-    """`(b, t, heads, f)` <-> `(b, heads, t, f)`."""
-    return ops.transpose(x, (0, 2, 1, 3))
 
 
 def _split_heads(x, kv_heads):
