@@ -189,12 +189,15 @@ def _expand_like(condition, x):
     return ops.expand_dims(condition, axes) if axes else condition
 
 
-def _resets(documents, log_gates, heads):
-    """`log_gates` (or none) with a zero gate where a new document starts
-    (the carried state is document 0)."""
+def _starts(documents):
+    """1 where a document starts (the carried state is document 0)."""
     previous = _prepend_zeros(documents, 1)[:, :-1]
-    starts = ops.cast(documents != previous, documents.dtype)
-    resets = ops.expand_dims(starts * _RESET, -1)
+    return ops.cast(documents != previous, documents.dtype)
+
+
+def _resets(documents, log_gates, heads):
+    """`log_gates` (or none) with a zero gate where a new document starts."""
+    resets = ops.expand_dims(_starts(documents) * _RESET, -1)
     resets = resets + ops.zeros((1, 1, heads), documents.dtype)
     return resets if log_gates is None else resets + log_gates
 
@@ -261,8 +264,9 @@ def chunkwise(
     scores = ops.einsum("xcd,xsd->xcs", query, key)
     shape = ops.shape(scores)
     scores = ops.reshape(scores, (-1, group, chunk, chunk))
-    if documents is not None:
-        log_gates = _resets(documents, log_gates, heads)
+    if documents is not None and log_gates is not None:
+        # Decay takes the documents as its gates, at no cost.
+        log_gates, documents = _resets(documents, log_gates, heads), None
     chunk_gates = None
     if log_gates is None:
         scores = ops.tril(scores)
@@ -270,6 +274,12 @@ def chunkwise(
         scores, query, key, chunk_gates = _decay_in_chunks(
             scores, query, key, log_gates, batch, length, chunk
         )
+    if documents is not None:
+        same, reads, to_end, new = _documents_in_chunks(documents, heads, chunk)
+        scores = scores * ops.expand_dims(same, 1)
+        query = query * ops.expand_dims(ops.tile(reads, (1, group)), -1)
+        key = key * ops.expand_dims(to_end, -1)
+        chunk_gates = new
     scores = ops.reshape(scores, shape)
     numerator = ops.einsum("xcs,xse->xce", scores, value)
     summaries = (ops.einsum("xcd,xce->xde", key, value),)
@@ -320,6 +330,24 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
     later = ops.flip(_cumsum(ops.flip(gates, -1), -1), -1)
     key = key * ops.expand_dims(ops.exp(_append_zeros(later[:, 1:], 1)), -1)
     return scores, query, key, ops.reshape(elapsed[:, -1], (batch, heads, -1))
+
+
+def _documents_in_chunks(documents, heads, chunk):
+    """Per row of chunks: which keys each query reads, which queries read
+    the entering state, which keys reach the chunk's end; and log-gates
+    `(batch, heads, chunks)` that stop the state where documents start."""
+    # The documents started so far in each chunk; the padding starts none.
+    starts = _starts(documents)
+    starts = _append_zeros(starts, _padding(ops.shape(starts)[1], chunk))
+    starts = ops.reshape(starts, (ops.shape(starts)[0], 1, -1, chunk))
+    counts = _cumsum(starts + ops.zeros((1, heads, 1, 1), starts.dtype), -1)
+    new = ops.where(counts[..., -1] > 0, _RESET, 0.0)
+    counts = ops.reshape(counts, (-1, chunk))
+    same = ops.expand_dims(counts, -1) == ops.expand_dims(counts, 1)
+    return tuple(
+        ops.cast(x, starts.dtype)
+        for x in (same, counts == 0, counts == counts[:, -1:], new)
+    )
 
 
 def prefix_over_chunks(initial, summaries, chunk_gates=None):
