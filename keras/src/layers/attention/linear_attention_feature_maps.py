@@ -1,6 +1,5 @@
-"""The feature maps `phi` of `LinearAttention`, one class each: a new map
-is one class here and an entry in `FEATURE_MAPS`. Public as
-`keras.layers.linear_attention_feature_maps`, as Keras's activations are."""
+"""The feature maps `phi` of `LinearAttention`, a class each in `FEATURE_MAPS`,
+public as `keras.layers.linear_attention_feature_maps` as activations are."""
 
 import inspect
 import math
@@ -17,14 +16,11 @@ from keras.src.api_export import keras_export
 from keras.src.layers.layer import Layer
 from keras.src.saving import serialization_lib
 
-# Cap on the exponents of FAVOR+ features, so that float32 sums of
-# `exp(60)`-sized features over many steps cannot overflow.
+# Cap on FAVOR+ exponents, so that float32 sums over many steps cannot overflow.
 _FAVOR_MAX_EXPONENT = 60.0
-# Added to |x|^2 where `RandomFourier` divides x by its norm, so that a
-# zero query or key has finite gradients.
+# Added to `RandomFourier`'s |x|^2, so a zero query or key has finite gradients.
 _UNIT_EPSILON = 1e-12
-# Above this `key_dim`, `Taylor`'s `1 + d (d + 3) / 2` features make the
-# state and the products large, so the map warns.
+# Above this `key_dim`, `Taylor` warns: its `1 + d (d + 3) / 2` features grow.
 _TAYLOR_MAX_KEY_DIM = 32
 # log E[exp(s)] of a standard normal s: the scale of the window's terms.
 _LOG_MEAN_EXP = 0.5
@@ -32,10 +28,9 @@ _LOG_MEAN_EXP = 0.5
 
 @keras_export("keras.layers.linear_attention_feature_maps.FeatureMap")
 class FeatureMap(Layer):
-    """Base class of the feature maps of `LinearAttention`.
-
-    A map computes `features()` and creates any weights in `build()`, for
-    the `(batch, time, num_key_value_heads, key_dim)` keys.
+    """Base class of the feature maps of `LinearAttention`: a map computes
+    `features()` and creates any weights in `build()`, for the keys' shape
+    `(batch, time, num_key_value_heads, key_dim)`.
 
     Args:
         key_dim: Size of the queries and keys the map takes.
@@ -46,12 +41,8 @@ class FeatureMap(Layer):
         kernel_constraint: Constraint of a learned map's kernel.
     """
 
-    # Whether a step's features depend only on that step, so that a
-    # causal layer can carry its state across calls.
-    streams = True
-    # Whether every feature is non-negative; otherwise the layer clamps the
-    # normalizer at zero.
-    non_negative = True
+    streams = True  # A step's features depend only on it: a state streams.
+    non_negative = True  # Else the layer clamps the normalizer at zero.
 
     def __init__(
         self,
@@ -75,11 +66,10 @@ class FeatureMap(Layer):
         if num_features is not None:
             raise ValueError(
                 "`num_features` only applies to feature_map='favor_plus', "
-                "'hedgehog' or 'random_fourier'; 'taylor' has "
-                "`1 + key_dim * (key_dim + 3) / 2` features, 'cosformer' "
-                "`2 * key_dim`, 'elu_plus_one' and 'relu' `key_dim`. "
-                f"Received: num_features={num_features!r} with "
-                f"feature_map={self.map_name!r}"
+                "'hedgehog' or 'random_fourier'; 'taylor' has `1 + key_dim "
+                "* (key_dim + 3) / 2` features, 'cosformer' `2 * key_dim`, "
+                "'elu_plus_one' and 'relu' `key_dim`. Received: num_features="
+                f"{num_features!r} with feature_map={self.map_name!r}"
             )
 
     @property
@@ -93,19 +83,16 @@ class FeatureMap(Layer):
 
     @property
     def initial_far_log_scale(self):
-        """`far_log_scale` to start a `local_window` layer on the window's
-        scale: `log E[exp(s)] - log E[phi(q) . phi(k)]`, `s = q . k /
-        sqrt(key_dim)` of standard normal `q`, `k` (0 if it estimates
-        `exp(s)`)."""
+        """`log E[exp(s)] - log E[phi(q) . phi(k)]`, `s = q . k / sqrt(key_dim)`
+        of normal `q`, `k`: a `local_window` layer's initial `far_log_scale`."""
         return 0.0
 
     def build(self, input_shape):
         self.heads = input_shape[2]
 
     def features(self, x, positions=None, length=None):
-        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys.
-        `positions` (the steps' indices) and `length` (the call's) are for
-        maps that weigh by position."""
+        """`phi(x)` of `(batch, time, heads, key_dim)` queries or keys; maps
+        weighing by position take `positions` (steps' indices) and `length`."""
         raise NotImplementedError
 
     def scaled_features(self, x, positions=None, length=None):
@@ -140,8 +127,7 @@ class EluPlusOne(FeatureMap):
     """`elu(x) + 1` (Katharopoulos et al., 2020)."""
 
     def features(self, x, positions=None, length=None):
-        # elu(x) + 1 as exp(min(x, 0)) + max(x, 0), which stays positive
-        # far below zero, where `expm1(x) + 1` rounds to 0.
+        # exp(min(x, 0)) + max(x, 0) stays positive where `expm1(x) + 1` is 0.
         positive = ops.relu(x)
         return ops.exp(x - positive) + positive
 
@@ -172,8 +158,7 @@ class CosFormer(ReLU):
     `cos(pi / 2 * (i - j) / M)` for query `i` and key `j` of a call of
     length `M`, as `[phi cos(pi i / 2M), phi sin(pi i / 2M)]`."""
 
-    # The weights depend on the call's length.
-    streams = False
+    streams = False  # The weights depend on the call's length.
 
     @property
     def size(self):
@@ -187,9 +172,8 @@ class CosFormer(ReLU):
         scale = 0.5 * math.pi / ops.cast(length, x.dtype)
         angle = ops.cast(positions, x.dtype) * scale
         # Positions `(time,)` or, per row, `(batch, time)`.
-        angle = ops.expand_dims(angle, (-1, -2))
+        sin, cos = _sin_cos(ops.expand_dims(angle, (-1, -2)))
         features = super().features(x)
-        sin, cos = _sin_cos(angle)
         return ops.concatenate([features * cos, features * sin], -1)
 
 
@@ -202,11 +186,10 @@ class Taylor(FeatureMap):
         super().__init__(key_dim, **kwargs)
         if key_dim > _TAYLOR_MAX_KEY_DIM:
             warnings.warn(
-                f"feature_map='taylor' with key_dim={key_dim} has "
-                f"{self.size} features per head, growing with the square of "
-                f"`key_dim`; it is meant for a `key_dim` up to "
-                f"{_TAYLOR_MAX_KEY_DIM}: use more heads of a smaller "
-                "`key_dim`, or another feature map.",
+                f"feature_map='taylor' with key_dim={key_dim} has {self.size} "
+                "features per head, growing with the square of `key_dim`; it "
+                f"is meant for a `key_dim` up to {_TAYLOR_MAX_KEY_DIM}: use "
+                "more heads of a smaller `key_dim`, or another feature map.",
                 stacklevel=4,
             )
 
@@ -215,13 +198,11 @@ class Taylor(FeatureMap):
         return 1 + self.key_dim * (self.key_dim + 3) // 2
 
     def features(self, x, positions=None, length=None):
-        # [1, x / d^(1/4), vec(x x^T) / (2 d)^(1/2)] with the pairs i <= j
-        # of x x^T only (those with i < j scaled by 2^(1/2)).
+        # [1, x / d^(1/4), x_i x_j / d^(1/2) for i < j, x_i^2 / (2 d)^(1/2)].
         d = self.key_dim
         rows, columns = np.triu_indices(d)
         scale = np.where(rows == columns, 0.5**0.5, 1.0) / d**0.5
-        # Row by row, in the order of `np.triu_indices`: slices, not a
-        # gather (OpenVINO cannot convert PyTorch's `take`).
+        # Slices, not a gather: OpenVINO cannot convert PyTorch's `take`.
         pairs = [x[..., i : i + 1] * x[..., i:] for i in range(d)]
         pairs = ops.concatenate(pairs, axis=-1)
         pairs = pairs * ops.convert_to_tensor(scale, dtype=x.dtype)
@@ -230,8 +211,7 @@ class Taylor(FeatureMap):
 
 
 class _SizedFeatureMap(FeatureMap):
-    """A map with `num_features` of its own, `default_ratio * key_dim` by
-    default (an even number for `paired` maps)."""
+    """A map with its own `num_features`, `default_ratio * key_dim` default."""
 
     default_ratio = 2
     paired = False
@@ -243,23 +223,18 @@ class _SizedFeatureMap(FeatureMap):
             isinstance(num_features, bool)
             or not isinstance(num_features, (int, np.integer))
             or num_features <= 0
+            or (self.paired and num_features % 2)
         ):
             raise ValueError(
-                "`num_features` must be a positive integer. Received: "
-                f"num_features={num_features!r}"
-            )
-        if self.paired and num_features % 2:
-            raise ValueError(
-                f"`num_features` must be even for feature_map="
-                f"{self.map_name!r}, whose features come in two halves. "
-                f"Received: num_features={num_features}"
+                "`num_features` must be a positive "
+                f"{'even ' if self.paired else ''}integer for feature_map="
+                f"{self.map_name!r}. Received: num_features={num_features!r}"
             )
         return int(num_features)
 
 
 class _RandomFeatureMap(_SizedFeatureMap):
-    """A map of fixed random projections `(key_dim, columns)`, drawn with
-    NumPy so that a seed gives the same features on every backend."""
+    """Fixed random projections, drawn with NumPy alike on every backend."""
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -293,8 +268,7 @@ class FavorPlus(_RandomFeatureMap):
 
     def scaled_features(self, x, positions=None, length=None):
         exponent = self._exponent(x)
-        if 0 in x.shape:
-            # `max` of an empty tensor fails on some backends.
+        if 0 in x.shape:  # `max` of an empty tensor fails on some backends.
             return self._features(exponent), None
         # Per token, so that chunked runs agree.
         log_scale = ops.max(exponent, axis=-1)
@@ -309,8 +283,7 @@ class FavorPlus(_RandomFeatureMap):
         return ops.einsum("bthd,dm->bthm", x, features) - norms
 
     def _features(self, exponent):
-        # exp(min(exponent, cap)) / sqrt(m), capped per element, never by a
-        # statistic over the sequence, which would break chunked runs.
+        # Capped per element: a statistic over the sequence breaks chunks.
         exponent = exponent - ops.relu(exponent - _FAVOR_MAX_EXPONENT)
         return ops.exp(exponent) * self.num_features**-0.5
 
@@ -382,19 +355,16 @@ class Hedgehog(_SizedFeatureMap):
 
     @property
     def initial_far_log_scale(self):
-        # From the identity kernel: `d` features of x (the others 0), each
-        # in both signs, of expected exp e^(1/2), and e for q + k.
+        # Identity kernel: `d` features x_i, both signs, E e^x_i = e^(1/2).
         d = min(self.key_dim, self.num_features // 2)
         zeros = self.num_features // 2 - d
-        products = d * math.e + zeros
         totals = 2 * (d * math.exp(0.5) + zeros) ** 2
-        return _LOG_MEAN_EXP - math.log(products / totals)
+        return _LOG_MEAN_EXP - math.log((d * math.e + zeros) / totals)
 
 
 class _WrappedCallable(FeatureMap):
-    """A registered callable or `Layer` as a feature map; with `causal`
-    (causal layers, whose state has `key_dim` features) it must keep its
-    input's shape, otherwise any number of features."""
+    """A registered callable or `Layer` as a map: keeping its input's shape
+    if `causal` (a state has `key_dim` features), else any number of them."""
 
     def __init__(
         self, key_dim, function, causal=True, num_features=None, **kwargs
@@ -402,8 +372,7 @@ class _WrappedCallable(FeatureMap):
         super().__init__(key_dim, **kwargs)
         self.function = function
         self.causal = causal
-        # Checked once `function`, which the message names, is set.
-        self._check_num_features(num_features)
+        self._check_num_features(num_features)  # Its message names `function`.
 
     @property
     def map_name(self):
@@ -412,8 +381,7 @@ class _WrappedCallable(FeatureMap):
     def build(self, input_shape):
         super().build(input_shape)
         if isinstance(self.function, Layer) and not self.function.built:
-            # Built with the layer, so that its weights load with it, for
-            # any batch and length (not PyTorch's placeholder sizes).
+            # For any batch and length (not PyTorch's placeholders) to load.
             shape = (None, None) + tuple(input_shape[2:])
             if not utils.is_default(self.function.build):
                 self.function.build(shape)
@@ -423,8 +391,7 @@ class _WrappedCallable(FeatureMap):
 
     def features(self, x, positions=None, length=None):
         features = self.function(x)
-        # Refuses features that the products or the state cannot take,
-        # where both sizes are known (not `None` or symbolic).
+        # Refused here, not in the products; unknown sizes are not compared.
         shape = getattr(features, "shape", None)
         compared = x.shape if self.causal else x.shape[:-1]
         mismatch = shape is None or len(shape) != len(x.shape)
@@ -432,16 +399,13 @@ class _WrappedCallable(FeatureMap):
             isinstance(a, int) and isinstance(b, int) and a != b
             for a, b in zip(shape, compared)
         ):
-            expected = f"its input's shape, {tuple(x.shape)}"
-            if not self.causal:
-                expected = (
-                    f"its input's batch size, length and heads, "
-                    f"{tuple(compared)}, and any number of features"
-                )
+            axes = "shape" if self.causal else "batch size, length and heads"
+            more = "" if self.causal else ", and any number of features"
             got = type(features).__name__ if shape is None else tuple(shape)
             raise ValueError(
-                f"`feature_map` must return a tensor with {expected}. "
-                f"Received: {got} from feature_map={self.function!r}"
+                f"`feature_map` must return a tensor with its input's {axes}, "
+                f"{tuple(compared)}{more}. Received: {got} from "
+                f"feature_map={self.function!r}"
             )
         # A `Layer` map computes in its own dtype policy.
         return ops.cast(features, x.dtype)
@@ -461,8 +425,7 @@ _NAMES = {cls: name for name, cls in FEATURE_MAPS.items()}
 
 @keras_export("keras.layers.linear_attention_feature_maps.get")
 def get(identifier, key_dim, causal=True, **options):
-    """Returns the feature map for `identifier`, for queries and keys of
-    size `key_dim`.
+    """Returns the feature map `identifier` for queries and keys of `key_dim`.
 
     Args:
         identifier: A name from `FEATURE_MAPS` (such as `"favor_plus"`), a
@@ -483,22 +446,16 @@ def get(identifier, key_dim, causal=True, **options):
                 f"{identifier!r} with key_dim={identifier.key_dim}"
             )
         return identifier
-    if isinstance(identifier, str):
-        if identifier not in FEATURE_MAPS:
-            raise ValueError(
-                "`feature_map` must be one of "
-                f"{', '.join(repr(name) for name in FEATURE_MAPS)}, or a "
-                "callable registered with "
-                "`keras.saving.register_keras_serializable()`. "
-                f"Received: feature_map={identifier!r}"
-            )
+    if isinstance(identifier, str) and identifier in FEATURE_MAPS:
         return FEATURE_MAPS[identifier](key_dim, name="feature_map", **options)
     # A class is callable, but calling it makes an instance, not features.
     if not callable(identifier) or inspect.isclass(identifier):
         raise ValueError(
-            "`feature_map` must be a string or a callable, such as a "
-            "function or a `Layer` instance (not a class). Received: "
-            f"feature_map={identifier!r}"
+            "`feature_map` must be one of "
+            f"{', '.join(map(repr, FEATURE_MAPS))}, or a callable such as a "
+            "function or a `Layer` instance (not a class), registered with "
+            "`keras.saving.register_keras_serializable()` to be saved. "
+            f"Received: feature_map={identifier!r}"
         )
     return _WrappedCallable(
         key_dim, identifier, causal, name="feature_map", **options
@@ -508,16 +465,13 @@ def get(identifier, key_dim, causal=True, **options):
 @keras_export("keras.layers.linear_attention_feature_maps.deserialize")
 def deserialize(config, custom_objects=None):
     """Returns a feature map (or a registered callable) from its config."""
-    return serialization_lib.deserialize_keras_object(
-        config, custom_objects=custom_objects
-    )
+    return serialization_lib.deserialize_keras_object(config, custom_objects)
 
 
 @keras_export("keras.layers.linear_attention_feature_maps.serialize")
 def serialize(feature_map):
-    """`feature_map` for a config: a name as it is, a callable serialized
-    if it loads back (a function as itself, an object as one of its class),
-    and a `ValueError` if not."""
+    """`feature_map` for a config: a name, or a callable that loads back (a
+    function as itself, an object as one of its class); else `ValueError`."""
     if isinstance(feature_map, str):
         return feature_map
     error = None
@@ -539,20 +493,19 @@ def serialize(feature_map):
             error = f"it would load as {type(loaded).__name__}"
     if error is not None:
         raise ValueError(
-            "Cannot serialize `LinearAttention`: its `feature_map` "
-            "callable would not load back. Register it with "
-            "`@keras.saving.register_keras_serializable()` so that "
-            "it can be saved and loaded (a callable object also "
-            "needs `get_config()` and `from_config()`). Received: "
-            f"feature_map={feature_map!r} ({error})"
+            "Cannot serialize `LinearAttention`: its `feature_map` callable "
+            "would not load back. Register it with "
+            "`@keras.saving.register_keras_serializable()` so that it can be "
+            "saved and loaded (a callable object also needs `get_config()` "
+            f"and `from_config()`). Received: feature_map={feature_map!r} "
+            f"({error})"
         )
     return serialization_lib.serialize_keras_object(feature_map)
 
 
 def orthogonal_random_features(key_dim, num_features, seed):
-    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy:
-    blocks of `key_dim` uniform orthonormal directions, scaled by the norms
-    of Gaussian vectors, so that each column is marginally Gaussian."""
+    """FAVOR+ projection `(key_dim, num_features)`, drawn with NumPy: blocks
+    of uniform orthonormal directions, each of a Gaussian vector's norm."""
     if seed is None:
         # Follows `keras.utils.set_random_seed()`, which seeds NumPy.
         seed = np.random.randint(2**31 - 1)

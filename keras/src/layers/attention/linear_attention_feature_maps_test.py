@@ -230,12 +230,12 @@ class FeatureMapsTest(_TestCase):
         )
 
     @parameterized.named_parameters(
-        ("hedgehog_odd", "hedgehog", 5, "even for feature_map='hedgehog'.*=5"),
+        ("hedgehog_odd", "hedgehog", 5, "even integer.*'hedgehog'.*=5"),
         (
             "random_fourier_odd",
             "random_fourier",
             7,
-            "even for feature_map='random_fourier'",
+            "even integer for feature_map='random_fourier'",
         ),
         ("favor_plus_zero", "favor_plus", 0, "num_features"),
         ("favor_plus_float", "favor_plus", 2.5, "num_features"),
