@@ -74,10 +74,9 @@ def non_causal(
 
 def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
     """Depthwise convolution over time of `x` `(batch, time, ...)` by
-    `kernel` `(width, ...)`: causal after `previous` (the `width - 1` steps
-    before `x`), else centred between zeros; within `documents`. Returns
-    `y` and the next call's `previous`: the last `width - 1` of the first
-    `lengths` steps (all by default) of the last one's document."""
+    `kernel` `(width, ...)` within `documents`: causal after `previous`
+    (the `width - 1` steps before `x`), else centred. Returns `y` and the
+    next call's `previous`, from the first `lengths` steps (or all)."""
     width = kernel.shape[0]
     before = (width - 1) // 2 if previous is None else width - 1
     after = width - 1 - before
@@ -204,9 +203,8 @@ def _resets(documents, log_gates, heads):
 
 def linear_step(state, query, key, value, log_gate=None):
     """One step of `S_t = exp(gate_t) S_(t-1) + phi(k_t)^T v_t` (and `z_t`
-    likewise with `phi(k_t)`) on `(batch, heads, ...)` features: the new
-    state and the query's numerators and denominators `(batch, kv_heads,
-    group, ...)`."""
+    with `phi(k_t)`) on `(batch, heads, ...)` features: the new state, and
+    numerators and denominators `(batch, kv_heads, group, ...)`."""
     if log_gate is not None:
         state = tuple(s * _expand_like(ops.exp(log_gate), s) for s in state)
     query = _split_heads(query, key.shape[1])
@@ -288,21 +286,16 @@ def chunkwise(
         # the products' sizes odd, which XLA runs slower.
         summaries += (ops.sum(key, axis=1),)
     prefixes = [
-        prefix_over_chunks(
-            start,
-            ops.reshape(x, (batch, heads, -1) + tuple(x.shape[1:])),
-            chunk_gates,
-        )
-        for start, x in zip(state, summaries)
+        prefix_over_chunks(start, summary, chunk_gates)
+        for start, summary in zip(state, summaries)
     ]
     state = tuple(final for final, _ in prefixes)
-    entering = [ops.reshape(x, (-1,) + tuple(x.shape[3:])) for _, x in prefixes]
+    entering = [x for _, x in prefixes]
     numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
     denominator = None
     if use_normalizer:
-        denominator = ops.sum(scores, axis=-1) + ops.einsum(
-            "xcd,xd->xc", query, entering[1]
-        )
+        entered = ops.einsum("xcd,xd->xc", query, entering[1])
+        denominator = ops.sum(scores, axis=-1) + entered
     shape = (batch, length, heads, chunk)
     if readout is not None:
         return _from_chunks(readout(numerator, denominator), *shape), state
@@ -352,15 +345,15 @@ def _documents_in_chunks(documents, heads, chunk):
 
 def prefix_over_chunks(initial, summaries, chunk_gates=None):
     """The state after the last chunk and entering each: `initial` plus
-    the earlier `(batch, heads, chunks, ...)` summaries, decayed by the
+    the earlier summaries `(batch * heads * chunks, ...)`, decayed by the
     `(batch, heads, chunks)` log-gates between (if any). Products with a
-    lower-triangular `decay_matrix`, inside blocks of `_PREFIX_BLOCK`
-    chunks and across them: no loop, and not causal for inf or nan
-    summaries (which only unmasked non-finite inputs give)."""
-    shape = ops.shape(summaries)
-    rows, chunks = shape[0] * shape[1], shape[2]
-    summaries = ops.reshape(summaries, (rows, chunks, -1))
-    features = ops.shape(summaries)[-1]
+    lower-triangular `decay_matrix` within and across blocks of chunks: no
+    loop, and not causal for inf or nan (unmasked non-finite inputs)."""
+    shape = ops.shape(initial)
+    rows, features = shape[0] * shape[1], math.prod(summaries.shape[1:])
+    summaries_shape = (-1,) + tuple(summaries.shape[1:])
+    summaries = ops.reshape(summaries, (rows, -1, features))
+    chunks = ops.shape(summaries)[1]
     # Whole blocks; the number of chunks is a tensor for unknown lengths.
     block = min(_PREFIX_BLOCK, chunks if isinstance(chunks, int) else math.inf)
     padding = _padding(chunks, block)
@@ -405,8 +398,8 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
     return (
-        ops.reshape(totals[:, -1], ops.shape(initial)),
-        ops.reshape(entering, shape),
+        ops.reshape(totals[:, -1], shape),
+        ops.reshape(entering, summaries_shape),
     )
 
 
@@ -414,9 +407,8 @@ def decay_matrix(log_gates):
     """`exp(sum of log_gates over steps j + 1 to i)` for `i >= j`, else 0:
     `(..., n)` -> `(..., n, n)`; no difference of prefix sums, whose
     rounding would grow with the length."""
-    gates = ops.expand_dims(log_gates, -1) + ops.zeros_like(
-        ops.expand_dims(log_gates, -2)
-    )
+    gates = ops.expand_dims(log_gates, -1)
+    gates = gates + ops.zeros_like(ops.swapaxes(gates, -1, -2))
     return ops.tril(ops.exp(_cumsum(ops.tril(gates, -1), -2)))
 
 
@@ -512,10 +504,9 @@ def _far_after(query_features, steps, key_features, window, chunk):
 
 
 def _delayed(steps, log_gates, key_features, window, reverse=False):
-    """The keys' features and values `window` steps back `(batch, time,
-    kv_heads, ...)`: zero where masked or of another document, decayed by
-    the gates since they arrived, as in the plain layer's state; with
-    `reverse`, of steps in reverse order."""
+    """The keys' features and values `window` steps back (with `reverse`,
+    of reversed steps) `(batch, time, kv_heads, ...)`: zero where masked or
+    of another document, decayed since they arrived, as in a plain state."""
     keys, values, valids, documents = steps
     length = ops.shape(valids)[1] - window
     # Positions as a sum, not a range of a traced length (which jax2onnx
@@ -653,16 +644,13 @@ def _split_heads(x, kv_heads):
 
 def _merge_heads(x):
     """`(..., kv_heads, group, f)` -> `(..., heads, f)`."""
-    shape = ops.shape(x)
-    return ops.reshape(
-        x, tuple(shape[:-3]) + (x.shape[-3] * x.shape[-2], shape[-1])
-    )
+    shape, heads = ops.shape(x), x.shape[-3] * x.shape[-2]
+    return ops.reshape(x, tuple(shape[:-3]) + (heads, shape[-1]))
 
 
 def _to_chunks(x, kv_heads, chunk):
     """`(b, t, heads, f)` -> `(b * kv_heads * chunks, group * c, f)`,
-    padded with zeros: one chunk of a key/value head per row block, its
-    query heads stacked, so that each product is one batched product."""
+    zero-padded: a key/value head's chunk with its query heads per row."""
     group = x.shape[2] // kv_heads
     x = _append_zeros(x, _padding(ops.shape(x)[1], chunk))
     shape = ops.shape(x)
@@ -685,10 +673,8 @@ def _from_chunks(x, batch, length, kv_heads, chunk):
 
 
 def _padding(size, multiple):
-    """How many entries make `size` a multiple of `multiple`: as
-    `multiple * ceil(size / multiple) - size`, visibly a multiple for
-    `jax.export`'s symbolic sizes; no negative `//`, which OpenVINO
-    truncates."""
+    """Entries that make `size` a multiple of `multiple`, as `jax.export`
+    sees it, with no negative `//` (which OpenVINO truncates)."""
     padding = multiple * ((size + multiple - 1) // multiple) - size
     if backend.backend() == "torch" and not isinstance(size, int):
         # PyTorch specializes symbolic sizes of 0 or 1 while tracing; one
