@@ -24,8 +24,7 @@ from keras.src.layers.regularization.dropout import Dropout
 
 _DECAY_SCHEDULES = ("retnet", "learned", "input_dependent")
 _EXECUTION_MODES = ("auto", "parallel", "recurrent")
-# The state's elements by name: the sums of the plain algorithm, the short
-# convolution's last inputs and the window's last steps.
+# The state's elements by name: the sums, the convolution's and window's steps.
 _SUMS = ("key_value_state", "key_state")
 _CONV_STATE = ("conv_queries", "conv_keys", "conv_values")
 _WINDOW_STATE = ("window_keys", "window_values", "window_valid")
@@ -36,13 +35,12 @@ class LinearAttention(Layer):
     """Kernelized linear self-attention layer.
 
     This is an implementation of linear attention as described in
-    [Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236). The
-    softmax similarity of dot-product attention is replaced by a product of
-    non-negative feature maps, `phi(q) . phi(k)`, so that time and memory
-    grow linearly with the sequence length. With `causal=True` the layer is
-    also a recurrent network whose constant-size state can be carried
-    across calls, for streaming and generation. For sequences of a few
-    hundred tokens or fewer, `MultiHeadAttention` is usually faster. For
+    [Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236): the
+    softmax of dot-product attention is replaced by a product of feature
+    maps, `phi(q) . phi(k)`, so that time and memory grow linearly with the
+    sequence length. A causal layer is also a recurrent network whose
+    constant-size state can be carried across calls, for streaming. Below
+    a few hundred tokens, `MultiHeadAttention` is usually faster. For
     language modelling, use `conv_kernel_size=4` and
     `decay="input_dependent"`; for the most reliable recall,
     `feature_map="taylor"` at a small `key_dim` with the convolution.
@@ -50,8 +48,7 @@ class LinearAttention(Layer):
     Args:
         num_heads: Number of attention heads.
         key_dim: Size of each attention head for query and key.
-        value_dim: Size of each attention head for value. Defaults to
-            `key_dim`.
+        value_dim: Size of each attention head for value. Defaults to `key_dim`.
         output_shape: Size of the output's last dimension. Defaults to the
             last dimension of `inputs`.
         feature_map: `"elu_plus_one"` (default), `"relu"`, `"favor_plus"`,
@@ -67,8 +64,7 @@ class LinearAttention(Layer):
         dropout: Fraction of the head outputs dropped in training.
         use_bias: Boolean, whether the dense layers use bias vectors.
         execution_mode: Causal algorithm: `"parallel"` (chunkwise),
-            `"recurrent"` (one step per token) or `"auto"` (recurrent for
-            single tokens); the same results up to rounding.
+            `"recurrent"` or `"auto"` (recurrent for single tokens).
         kernel_initializer: Initializer for dense layer kernels.
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
@@ -85,13 +81,11 @@ class LinearAttention(Layer):
             default `2 * key_dim`).
         local_window: Optional positive integer `W`: exact softmax over the
             unmasked steps closer than `W` (causal: the last `W`), the
-            feature map beyond, weighted by a trainable `far_log_scale` per
-            head, which starts on the window's scale for the feature map.
-        decay: Causal layers only: the state's forgetting factor per step,
+            feature map beyond, weighted by a trainable `far_log_scale`.
+        decay: Causal layers only: the state's forgetting factor per step:
             a float in (0, 1], a list of one per key/value head, `"retnet"`
-            (`1 - 2^(-5 - h)` for head `h`), `"learned"` (one per head) or
-            `"input_dependent"` (a gate per step and head, read from its
-            key; both start at RetNet's).
+            (`1 - 2^(-5 - h)` for head `h`), or trainable from RetNet's:
+            `"learned"` (per head) or `"input_dependent"` (per step and head).
         conv_kernel_size: Optional integer `K >= 2`: a depthwise
             convolution of width `K` over time of the projected queries,
             keys and values (causal for causal layers). It helps recall.
@@ -100,24 +94,21 @@ class LinearAttention(Layer):
 
     Call arguments:
         inputs: Tensor of shape `(batch_size, sequence_length, input_dim)`.
-        mask: Optional boolean tensor of shape
-            `(batch_size, sequence_length)`, `True` for valid steps. Masked
-            steps are skipped and their outputs are zero.
+        mask: Optional boolean tensor `(batch_size, sequence_length)`, `True`
+            for valid steps; masked steps are skipped and output zeros.
         initial_state: Causal layers only: the state from
             `get_initial_state()` or from a call with `return_state=True`.
         return_state: Causal layers only: whether to also return the state.
         training: Python boolean, whether to apply dropout.
-        segment_ids: Optional integer tensor of shape `(batch_size,
-            sequence_length)` for rows packed with several documents: each
-            document is attended to as if it were alone.
+        segment_ids: Optional integer tensor `(batch_size, sequence_length)`
+            of documents packed in rows, each attended to as if it were alone.
 
     Returns:
         outputs: Tensor of shape `(batch_size, sequence_length, output_dim)`.
-        state: Only if `return_state=True`: the tuple that the next call
-            takes as `initial_state`: the sums `(key_value_state,
-            key_state)` (no `key_state` without the normalizer), the
-            convolution's and the window's last projected steps if any,
-            and with `segment_ids` the last step's id.
+        state: Only if `return_state=True`: the next call's `initial_state`:
+            the sums `(key_value_state, key_state)` (no `key_state` without
+            the normalizer), the convolution's and the window's last
+            projected steps if any, and with `segment_ids` the last step's id.
 
     Examples:
 
@@ -126,8 +117,7 @@ class LinearAttention(Layer):
     >>> tuple(layer(x).shape)
     (3, 8, 16)
 
-    Causal streaming: two chunks carrying the state give the outputs of
-    one call over the whole sequence.
+    Causal streaming: two chunks carrying the state give one call's outputs.
 
     >>> layer = keras.layers.LinearAttention(
     ...     num_heads=2, key_dim=4, causal=True
@@ -178,32 +168,18 @@ class LinearAttention(Layer):
         self.input_spec = InputSpec(ndim=3)
         if isinstance(output_shape, (list, tuple)) and len(output_shape) == 1:
             output_shape = output_shape[0]
-        for name, value, least in (
-            ("num_heads", num_heads, 1),
-            ("key_dim", key_dim, 1),
-            ("value_dim", value_dim, 1),
-            ("output_shape", output_shape, 1),
-            ("num_key_value_heads", num_key_value_heads, 1),
-            ("local_window", local_window, 1),
-            ("conv_kernel_size", conv_kernel_size, 2),
-            ("seed", seed, 0),
-        ):
-            if value is not None and not _is_integer(value, least):
-                raise ValueError(
-                    f"`{name}` must be an integer of at least {least}. "
-                    f"Received: {name}={value!r}"
-                )
-        self.num_heads, self.key_dim = int(num_heads), int(key_dim)
-        self.value_dim = int(value_dim or key_dim)
-        self.num_key_value_heads = int(num_key_value_heads or num_heads)
+        self.num_heads = _check_int("num_heads", num_heads)
+        self.key_dim = _check_int("key_dim", key_dim)
+        self.value_dim = _check_int("value_dim", value_dim) or self.key_dim
+        kv_heads = _check_int("num_key_value_heads", num_key_value_heads)
+        self.num_key_value_heads = kv_heads or self.num_heads
         if self.num_heads % self.num_key_value_heads:
             raise ValueError(
                 "`num_heads` must be a multiple of `num_key_value_heads`. "
-                f"Received: num_heads={num_heads}, "
-                f"num_key_value_heads={num_key_value_heads}"
+                f"Received: {num_heads=}, {num_key_value_heads=}"
             )
         # Private, as in `MultiHeadAttention` (`Model.summary()` reads it).
-        self._output_shape = _optional_int(output_shape)
+        self._output_shape = _check_int("output_shape", output_shape)
         self.use_normalizer = bool(use_normalizer)
         self.normalization_epsilon = float(normalization_epsilon)
         if not 0 < self.normalization_epsilon < math.inf:
@@ -233,7 +209,8 @@ class LinearAttention(Layer):
         self._activity_regularizer = regularizers.get(activity_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
-        self.seed = _optional_int(seed)
+        self.seed = _check_int("seed", seed, minimum=0)
+        self.local_window = _check_int("local_window", local_window)
         if isinstance(feature_map, dict):
             feature_map = feature_maps.deserialize(feature_map)
         self.feature_map = feature_map
@@ -241,7 +218,7 @@ class LinearAttention(Layer):
             feature_map,
             self.key_dim,
             # A state or the window's far sums need the input's size.
-            causal=self.causal or local_window is not None,
+            causal=self.causal or self.local_window is not None,
             num_features=num_features,
             seed=self.seed,
             epsilon=self.normalization_epsilon,
@@ -250,14 +227,13 @@ class LinearAttention(Layer):
             dtype=self.accumulator_dtype,
         )
         self.num_features = self._feature_map.num_features
-        self.local_window = _optional_int(local_window)
         if self.local_window is not None and not self.use_normalizer:
             raise ValueError(
-                "`local_window` needs `use_normalizer=True` (the window and "
-                "the far part share it). Received: "
+                "`local_window` needs `use_normalizer=True`. Received: "
                 f"local_window={local_window}, use_normalizer={use_normalizer}"
             )
-        self.conv_kernel_size = _optional_int(conv_kernel_size)
+        kernel_size = _check_int("conv_kernel_size", conv_kernel_size, 2)
+        self.conv_kernel_size = kernel_size
         self.decay = _check_decay(decay, self.num_key_value_heads, self.causal)
         self._projection_dtypes = {
             name: dtype_policies.get(dtype)
@@ -381,18 +357,13 @@ class LinearAttention(Layer):
             seed: Optional non-negative integer. Defaults to a seed drawn
                 from NumPy's global generator.
         """
-        if (
-            not self.built
-            or not hasattr(self._feature_map, "redraw")
-            or not (seed is None or _is_integer(seed, 0))
-        ):
+        if not (self.built and hasattr(self._feature_map, "redraw")):
             raise ValueError(
                 "`redraw_random_features()` needs a built layer with "
-                "feature_map='favor_plus' or 'random_fourier', and a `seed` "
-                "of None or a non-negative integer. Received: feature_map="
-                f"{self.feature_map!r}, built={self.built}, seed={seed!r}"
+                "feature_map='favor_plus' or 'random_fourier'. Received: "
+                f"feature_map={self.feature_map!r}, built={self.built}"
             )
-        self._feature_map.redraw(_optional_int(seed))
+        self._feature_map.redraw(_check_int("seed", seed, minimum=0))
 
     def _projection(self, name, equation, output_shape, bias_axes):
         policy = self.dtype_policy
@@ -429,7 +400,7 @@ class LinearAttention(Layer):
             A tuple of zeros in the accumulator dtype, of the shapes of the
             state returned by a call with `return_state=True`.
         """
-        self._check_streaming("a call of get_initial_state()")
+        self._check_streaming()
         return self._zero_state(batch_size)
 
     def _zero_state(self, batch_size, zeros=ops.zeros):
@@ -451,10 +422,9 @@ class LinearAttention(Layer):
             shapes["conv_keys"] = (steps, heads, self.key_dim)
             shapes["conv_values"] = (steps, heads, self.value_dim)
         if self.local_window is not None:
-            window = self.local_window
-            shapes["window_keys"] = (heads, window, self.key_dim)
-            shapes["window_values"] = (heads, window, self.value_dim)
-            shapes["window_valid"] = (window,)
+            shapes["window_keys"] = (heads, self.local_window, self.key_dim)
+            shapes["window_values"] = (heads, self.local_window, self.value_dim)
+            shapes["window_valid"] = (self.local_window,)
         return shapes
 
     def __call__(self, *args, **kwargs):
@@ -493,6 +463,8 @@ class LinearAttention(Layer):
         # tensor argument, not to calls with `initial_state`.
         if mask is None:
             mask = backend.get_keras_mask(inputs)
+        if isinstance(initial_state, _UncastState):
+            initial_state = initial_state.state
         carried_id, initial_state = self._check_call_arguments(
             inputs, mask, initial_state, return_state, segment_ids
         )
@@ -548,9 +520,7 @@ class LinearAttention(Layer):
 
     def _project(self, inputs, mask, state, documents, lengths):
         """The queries, keys and values `(batch, time, heads, size)` in the
-        accumulator dtype, through the short convolution if any, which
-        takes its carried steps from the `state` dict and puts the last
-        ones there."""
+        accumulator dtype; the convolution updates its steps in `state`."""
         denses = (self._query_dense, self._key_dense, self._value_dense)
         kernels = self._conv_kernels or (None,) * 3
         outputs = []
@@ -700,75 +670,59 @@ class LinearAttention(Layer):
             log_decay = ops.broadcast_to(log_decay, tuple(ops.shape(key)[:3]))
         return _masked(log_decay, valid)
 
-    def _check_streaming(self, received):
-        """Refuses a state where the layer has none to carry."""
-        if not self.causal or not self._feature_map.streams:
+    def _check_streaming(self):
+        if not (self.causal and self._feature_map.streams):
             raise ValueError(
                 "A state (`initial_state`, `return_state`, "
                 "`get_initial_state()`) is only supported by causal layers "
                 "whose feature map streams (not 'cosformer'). Received: "
-                f"causal={self.causal}, feature_map={self.feature_map!r}, "
-                f"{received}"
+                f"causal={self.causal}, feature_map={self.feature_map!r}"
             )
 
-    def _check_call_arguments(
-        self, inputs, mask, initial_state, return_state, segment_ids
-    ):
-        """Checks the call's arguments; returns the carried document id
-        (or `None`) and the rest of `initial_state`."""
-        if isinstance(initial_state, _UncastState):
-            initial_state = initial_state.state
+    def _check_call_arguments(self, inputs, mask, state, return_state, ids):
+        """Checks the call's arguments; returns the carried id and state."""
         if not backend.is_float_dtype(inputs.dtype):
             raise ValueError(
                 "`inputs` must be a floating-point tensor (embed tokens "
                 f"first). Received: inputs with dtype={inputs.dtype}"
             )
+        steps = tuple(inputs.shape[:2])
         shape = tuple(getattr(mask, "shape", ()))
-        if mask is not None and not _fits(shape, inputs.shape[:2], 1):
+        if mask is not None and not _fits(shape, steps, broadcast=1):
             raise ValueError(
-                "`mask` must be a tensor of shape (batch_size, "
-                "sequence_length) or broadcastable to it (a state is passed "
-                "as `initial_state=`; no cross-attention). Received: "
-                f"{type(mask).__name__} of shape {shape} for inputs of shape "
-                f"{tuple(inputs.shape)}"
+                f"`mask` must be broadcastable to shape {steps} (a state goes "
+                "to `initial_state=`; no cross-attention). Received: "
+                f"{type(mask).__name__} of shape {shape}"
             )
-        if return_state or initial_state is not None:
-            self._check_streaming(
-                f"initial_state={None if initial_state is None else '...'}, "
-                f"return_state={return_state}"
-            )
-        ids = segment_ids
-        if ids is not None and (
-            not backend.is_int_dtype(getattr(ids, "dtype", "float32"))
-            or not _fits(ids.shape, inputs.shape[:2])
-            or not self._feature_map.streams
+        if return_state or state is not None:
+            self._check_streaming()
+        dtype, shape = getattr(ids, "dtype", None), getattr(ids, "shape", ())
+        streams = self._feature_map.streams
+        if ids is not None and not (
+            _fits(shape, steps) and backend.is_int_dtype(dtype) and streams
         ):
-            shape = tuple(getattr(ids, "shape", ()))
             raise ValueError(
-                "`segment_ids` must be integers of shape "
-                f"{tuple(inputs.shape[:2])}, with a feature map that streams "
-                f"(not 'cosformer'). Received: {type(ids).__name__} of shape "
-                f"{shape}, dtype {getattr(ids, 'dtype', None)}, feature_map="
-                f"{self.feature_map!r}"
+                f"`segment_ids` must be integers of shape {steps}, with a "
+                "feature map that streams (not 'cosformer'). Received: "
+                f"{type(ids).__name__} of shape {tuple(shape)}, dtype "
+                f"{dtype}, feature_map={self.feature_map!r}"
             )
-        if initial_state is None:
+        if state is None:
             return None, None
-        shapes = self._state_shapes().values()
-        expected = [(inputs.shape[0],) + shape for shape in shapes]
-        carried_id = None
-        if len(initial_state) == len(expected) + 1:
-            # A packed call's state ends with the last step's document id.
-            carried_id, initial_state = initial_state[-1], initial_state[:-1]
-        received = [tuple(getattr(x, "shape", ())) for x in initial_state]
+        expected = [(steps[0],) + x for x in self._state_shapes().values()]
+        state = tuple(state) if isinstance(state, (list, tuple)) else (state,)
+        # A packed call's state ends with the last step's document id.
+        packed = len(state) == len(expected) + 1
+        state, carried_id = (state[:-1], state[-1]) if packed else (state, None)
+        received = [tuple(getattr(x, "shape", ())) for x in state]
         id_dtype = getattr(carried_id, "dtype", "int32")
         if not _fits(received, expected) or not backend.is_int_dtype(id_dtype):
             raise ValueError(
-                f"`initial_state` must have the shapes {expected} (then a "
-                "packed call's last ids), as `get_initial_state()` returns "
-                f"them. Received: shapes {received}"
+                f"`initial_state` must have the shapes {expected} (and "
+                f"packed calls' integer ids). Received: shapes {received}"
                 + ("" if carried_id is None else f" and ids of {id_dtype}")
             )
-        return carried_id, tuple(initial_state)
+        return carried_id, state
 
     def compute_mask(self, inputs, previous_mask):
         # The applied mask in full: a broadcastable one, passed on as given,
@@ -793,14 +747,13 @@ class LinearAttention(Layer):
         carried_id, _ = self._check_call_arguments(
             inputs, mask, initial_state, return_state, segment_ids
         )
-        outputs = backend.KerasTensor(
-            self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
-        )
+        shape = self.compute_output_shape(inputs.shape)
+        outputs = backend.KerasTensor(shape, dtype=self.compute_dtype)
         if not return_state:
             return outputs
         state = self._zero_state(inputs.shape[0], backend.KerasTensor)
-        if segment_ids is not None or carried_id is not None:
-            ids = segment_ids if carried_id is None else carried_id
+        ids = segment_ids if carried_id is None else carried_id
+        if ids is not None:
             state += (backend.KerasTensor(inputs.shape[:1], ids.dtype),)
         return outputs, state
 
@@ -874,54 +827,50 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _is_integer(value, minimum):
-    """Whether `value` is an integer (NumPy's too, not a boolean) of at
-    least `minimum`."""
-    return _is_real(value, numbers.Integral) and value >= minimum
+def _check_int(name, value, minimum=1):
+    """`value`, a Python or NumPy integer, as an `int`; `None` stays."""
+    if value is None:
+        return None
+    if not _is_real(value, numbers.Integral) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer of at least {minimum}. "
+            f"Received: {name}={value!r}"
+        )
+    return int(value)
 
 
 def _is_real(value, kind=numbers.Real):
-    return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+    # NumPy's numbers too (`np.bool_` is not one), but not booleans.
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def _fits(shape, expected, broadcast=None):
-    """Whether `shape` (or a list of shapes) is `expected` where both sizes
-    are known, or `broadcast`."""
-    if len(shape) != len(expected):
-        return False
+    """Whether `shape` (or shapes) is `expected` (or `broadcast`) if known."""
     if isinstance(expected, list):
-        return all(map(_fits, shape, expected))
-    return all(
-        None in pair or pair[0] in (pair[1], broadcast)
-        for pair in zip(shape, expected)
+        return len(shape) == len(expected) and all(map(_fits, shape, expected))
+    return len(shape) == len(expected) and all(
+        None in (a, b) or a in (b, broadcast) for a, b in zip(shape, expected)
     )
-
-
-def _optional_int(value):
-    return None if value is None else int(value)
 
 
 def _check_decay(decay, num_key_value_heads, causal):
     """`decay` as `None`, a schedule's name, a float or a list of floats."""
-    if decay is None or (
-        causal and isinstance(decay, str) and decay in _DECAY_SCHEDULES
-    ):
+    named = isinstance(decay, str) and decay in _DECAY_SCHEDULES
+    if decay is None or (named and causal):
         return decay
     is_list = isinstance(decay, (list, tuple))
-    values = list(decay) if is_list else [decay]
+    gammas = decay if is_list else [decay]
     if (
         not causal
-        or len(values) != (num_key_value_heads if is_list else 1)
-        or not all(_is_real(g) and 0 < g <= 1 for g in values)
+        or (is_list and len(decay) != num_key_value_heads)
+        or not all(_is_real(g) and 0 < g <= 1 for g in gammas)
     ):
         raise ValueError(
-            "`decay` must be a float in (0, 1], a list of "
-            f"num_key_value_heads={num_key_value_heads} such floats, or one "
-            f"of {_DECAY_SCHEDULES}, with `causal=True`. Received: "
-            f"decay={decay!r}, causal={causal}"
+            "`decay` must be a float in (0, 1], a list of one per key/value "
+            f"head ({num_key_value_heads}) or one of {_DECAY_SCHEDULES}, with "
+            f"`causal=True`. Received: decay={decay!r}, causal={causal}"
         )
-    values = [float(g) for g in values]
-    return values if is_list else values[0]
+    return [float(g) for g in gammas] if is_list else float(decay)
 
 
 def _retnet_decays(num_key_value_heads):
