@@ -659,6 +659,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
                 make_layer(build=False)(x, initial_state=state)
         with self.assertRaisesRegex(ValueError, "only supported by causal"):
             make_layer(build=False).get_initial_state(BATCH)
+        # A bare tensor is no state, even of a one-element state's shape.
+        single = make_layer(causal=True, use_normalizer=False)
+        with self.assertRaisesRegex(ValueError, "`initial_state` must"):
+            single(x, initial_state=single.get_initial_state(BATCH)[0])
 
         # A feature map must keep its input's batch, time and heads, and in
         # a causal layer its number of features (the state's); other

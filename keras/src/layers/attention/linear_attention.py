@@ -64,7 +64,8 @@ class LinearAttention(Layer):
         dropout: Fraction of the head outputs dropped in training.
         use_bias: Boolean, whether the dense layers use bias vectors.
         execution_mode: Causal algorithm: `"parallel"` (chunkwise),
-            `"recurrent"` or `"auto"` (recurrent for single tokens).
+            `"recurrent"` or `"auto"` (recurrent for single tokens); the
+            same results up to rounding.
         kernel_initializer: Initializer for dense layer kernels.
         bias_initializer: Initializer for dense layer biases.
         kernel_regularizer: Regularizer for dense layer kernels.
@@ -81,7 +82,8 @@ class LinearAttention(Layer):
             default `2 * key_dim`).
         local_window: Optional positive integer `W`: exact softmax over the
             unmasked steps closer than `W` (causal: the last `W`), the
-            feature map beyond, weighted by a trainable `far_log_scale`.
+            feature map beyond, weighted by a trainable `far_log_scale` per
+            head.
         decay: Causal layers only: the state's forgetting factor per step:
             a float in (0, 1], a list of one per key/value head, `"retnet"`
             (`1 - 2^(-5 - h)` for head `h`), or trainable from RetNet's:
@@ -670,12 +672,11 @@ class LinearAttention(Layer):
             log_decay = ops.broadcast_to(log_decay, tuple(ops.shape(key)[:3]))
         return _masked(log_decay, valid)
 
-    def _check_streaming(self):
+    def _check_streaming(self, received="get_initial_state()"):
         if not (self.causal and self._feature_map.streams):
             raise ValueError(
-                "A state (`initial_state`, `return_state`, "
-                "`get_initial_state()`) is only supported by causal layers "
-                "whose feature map streams (not 'cosformer'). Received: "
+                "A state is only supported by causal layers whose feature "
+                f"map streams (not 'cosformer'). Received: {received} with "
                 f"causal={self.causal}, feature_map={self.feature_map!r}"
             )
 
@@ -695,12 +696,12 @@ class LinearAttention(Layer):
                 f"{type(mask).__name__} of shape {shape}"
             )
         if return_state or state is not None:
-            self._check_streaming()
+            given = None if state is None else "..."
+            self._check_streaming(f"{return_state=}, initial_state={given}")
         dtype, shape = getattr(ids, "dtype", None), getattr(ids, "shape", ())
         streams = self._feature_map.streams
-        if ids is not None and not (
-            _fits(shape, steps) and backend.is_int_dtype(dtype) and streams
-        ):
+        ok = _fits(shape, steps) and backend.is_int_dtype(dtype) and streams
+        if ids is not None and not ok:
             raise ValueError(
                 f"`segment_ids` must be integers of shape {steps}, with a "
                 "feature map that streams (not 'cosformer'). Received: "
@@ -710,13 +711,15 @@ class LinearAttention(Layer):
         if state is None:
             return None, None
         expected = [(steps[0],) + x for x in self._state_shapes().values()]
-        state = tuple(state) if isinstance(state, (list, tuple)) else (state,)
+        fits = isinstance(state, (list, tuple))
+        state = tuple(state) if fits else (state,)
         # A packed call's state ends with the last step's document id.
         packed = len(state) == len(expected) + 1
         state, carried_id = (state[:-1], state[-1]) if packed else (state, None)
         received = [tuple(getattr(x, "shape", ())) for x in state]
         id_dtype = getattr(carried_id, "dtype", "int32")
-        if not _fits(received, expected) or not backend.is_int_dtype(id_dtype):
+        fits = fits and _fits(received, expected)
+        if not fits or not backend.is_int_dtype(id_dtype):
             raise ValueError(
                 f"`initial_state` must have the shapes {expected} (and "
                 f"packed calls' integer ids). Received: shapes {received}"

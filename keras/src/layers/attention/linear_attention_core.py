@@ -54,13 +54,11 @@ def non_causal(
         # A product and a sum: LiteRT has no builtin op for this einsum.
         own = ops.sum(_split_heads(query, heads) * ops.expand_dims(key, 3), -1)
         own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
-        numerator, denominator = (
-            x if x is None else x + ops.flip(y, axis=1)
-            for x, y in zip(forward, backward)
-        )
+        numerator = forward[0] + ops.flip(backward[0], axis=1)
         numerator -= ops.expand_dims(own, -1) * ops.repeat(value, group, 2)
+        denominator = None
         if use_normalizer:
-            denominator -= own
+            denominator = forward[1] + ops.flip(backward[1], axis=1) - own
         return readout(numerator, denominator)
     query = _split_heads(query, heads)
     key_value = ops.einsum("btkd,btke->bkde", key, value)
@@ -76,7 +74,8 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
     """Depthwise convolution over time of `x` `(batch, time, ...)` by
     `kernel` `(width, ...)` within `documents`: causal after `previous`
     (the `width - 1` steps before `x`), else centred. Returns `y` and the
-    next call's `previous`, from the first `lengths` steps (or all)."""
+    next call's `previous`, from the first `lengths` steps (or all), zero
+    for steps of another document than the last one's."""
     width = kernel.shape[0]
     before = (width - 1) // 2 if previous is None else width - 1
     after = width - 1 - before
@@ -181,7 +180,8 @@ def _zero_state(key, value, use_normalizer):
 
 
 def _expand_like(condition, x):
-    """A `(batch, time)` condition as a 0/1 factor of `x`'s rank."""
+    """A `(batch, n)` condition or factor, cast and expanded to `x`'s
+    rank."""
     condition = ops.cast(condition, x.dtype)
     # No empty axes: OpenVINO refuses them.
     axes = tuple(range(2, len(x.shape)))
@@ -206,7 +206,8 @@ def linear_step(state, query, key, value, log_gate=None):
     with `phi(k_t)`) on `(batch, heads, ...)` features: the new state, and
     numerators and denominators `(batch, kv_heads, group, ...)`."""
     if log_gate is not None:
-        state = tuple(s * _expand_like(ops.exp(log_gate), s) for s in state)
+        gate = ops.exp(log_gate)
+        state = tuple(s * _expand_like(gate, s) for s in state)
     query = _split_heads(query, key.shape[1])
     key_value = state[0] + ops.einsum("bkd,bke->bkde", key, value)
     numerator = ops.einsum("bkgd,bkde->bkge", query, key_value)
@@ -263,7 +264,7 @@ def chunkwise(
     shape = ops.shape(scores)
     scores = ops.reshape(scores, (-1, group, chunk, chunk))
     if documents is not None and log_gates is not None:
-        # Decay takes the documents as its gates, at no cost.
+        # With decay, a document's start is a reset gate: no masks needed.
         log_gates, documents = _resets(documents, log_gates, heads), None
     chunk_gates = None
     if log_gates is None:

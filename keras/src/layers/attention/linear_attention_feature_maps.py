@@ -84,7 +84,8 @@ class FeatureMap(Layer):
     @property
     def initial_far_log_scale(self):
         """`log E[exp(s)] - log E[phi(q) . phi(k)]`, `s = q . k / sqrt(key_dim)`
-        of normal `q`, `k`: a `local_window` layer's initial `far_log_scale`."""
+        of normal `q`, `k`: a `local_window` layer's initial `far_log_scale`
+        (0 for maps that estimate `exp(s)`)."""
         return 0.0
 
     def build(self, input_shape):
@@ -198,7 +199,7 @@ class Taylor(FeatureMap):
         return 1 + self.key_dim * (self.key_dim + 3) // 2
 
     def features(self, x, positions=None, length=None):
-        # [1, x / d^(1/4), x_i x_j / d^(1/2) for i < j, x_i^2 / (2 d)^(1/2)].
+        # [1, x / d^(1/4), x_i x_j / sqrt(d) for i <= j (/ sqrt(2 d) if i = j)].
         d = self.key_dim
         rows, columns = np.triu_indices(d)
         scale = np.where(rows == columns, 0.5**0.5, 1.0) / d**0.5
@@ -355,7 +356,8 @@ class Hedgehog(_SizedFeatureMap):
 
     @property
     def initial_far_log_scale(self):
-        # Identity kernel: `d` features x_i, both signs, E e^x_i = e^(1/2).
+        # Identity kernel: `d` features x_i in both signs, E e^x_i = e^(1/2)
+        # and E e^(q_i + k_i) = e.
         d = min(self.key_dim, self.num_features // 2)
         zeros = self.num_features // 2 - d
         totals = 2 * (d * math.exp(0.5) + zeros) ** 2
