@@ -263,9 +263,6 @@ def chunkwise(
     scores = ops.einsum("xcd,xsd->xcs", query, key)
     shape = ops.shape(scores)
     scores = ops.reshape(scores, (-1, group, chunk, chunk))
-    if documents is not None and log_gates is not None:
-        # With decay, a document's start is a reset gate: no masks needed.
-        log_gates, documents = _resets(documents, log_gates, heads), None
     chunk_gates = None
     if log_gates is None:
         scores = ops.tril(scores)
@@ -278,7 +275,7 @@ def chunkwise(
         scores = scores * ops.expand_dims(same, 1)
         query = query * ops.expand_dims(ops.tile(reads, (1, group)), -1)
         key = key * ops.expand_dims(to_end, -1)
-        chunk_gates = new
+        chunk_gates = new if chunk_gates is None else chunk_gates + new
     scores = ops.reshape(scores, shape)
     numerator = ops.einsum("xcs,xse->xce", scores, value)
     summaries = (ops.einsum("xcd,xce->xde", key, value),)
@@ -319,10 +316,7 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
     scores = scores * ops.expand_dims(decay_matrix(gates), 1)
     elapsed = _cumsum(gates, -1)
     query = query * ops.expand_dims(ops.tile(ops.exp(elapsed), (1, group)), -1)
-    # The gates after each key to its chunk's end as a sum: a difference of
-    # sums would lose the others to a new document's gate.
-    later = ops.flip(_cumsum(ops.flip(gates, -1), -1), -1)
-    key = key * ops.expand_dims(ops.exp(_append_zeros(later[:, 1:], 1)), -1)
+    key = key * ops.expand_dims(ops.exp(elapsed[:, -1:] - elapsed), -1)
     return scores, query, key, ops.reshape(elapsed[:, -1], (batch, heads, -1))
 
 
