@@ -27,10 +27,12 @@ import numpy as np
 from absl.testing import parameterized
 from linear_attention_reference import assert_close
 from linear_attention_reference import np_feature
+from linear_attention_reference import np_log_gates
 from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
 from linear_attention_reference import np_softmax
 from linear_attention_reference import np_weights
+from linear_attention_reference import retnet_gammas
 
 from keras.src import backend
 from keras.src import testing
@@ -44,6 +46,7 @@ from keras.src.layers.attention.linear_attention_test_utils import (
     masked_hybrid_state,
 )
 from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import to_float64
 
 # Tolerances. Each comparison is relative to the largest magnitude of the
 # expected values (`assert_close`).
@@ -95,7 +98,7 @@ RANDOM_FOURIER_ERROR_BOUND = 0.05
 
 def _assert_finite(tensors, msg=None):
     for tensor in tensors:
-        array = np.asarray(backend.convert_to_numpy(tensor), "float64")
+        array = to_float64(tensor)
         if not np.all(np.isfinite(array)):
             raise AssertionError(
                 f"{msg or ''} {np.sum(~np.isfinite(array))} non-finite "
@@ -109,27 +112,19 @@ def _np_random_fourier_denominators(layer, x):
     x = np.asarray(x, "float64")
     query = np_project(layer, weights, x, "query")
     query = np_feature(layer, weights, query, is_query=True)
-    key = np_project(layer, weights, x, "key")
-    key = np_feature(layer, weights, key, is_query=False)
+    raw_key = np_project(layer, weights, x, "key")
+    key = np_feature(layer, weights, raw_key, is_query=False)
     group = layer.num_heads // layer.num_key_value_heads
     key = np.repeat(key, group, 2)
     if not layer.causal:
         return np.einsum("bthf,bhf->bth", query, np.sum(key, axis=1))
-    gamma = np.ones(layer.num_key_value_heads)
-    if layer.decay == "retnet":
-        gamma = _retnet_gammas(layer.num_key_value_heads)
-    elif layer.decay is not None:
-        gamma = gamma * np.asarray(layer.decay)
-    gamma = np.repeat(gamma, group)[:, None]
+    gamma = np.exp(np_log_gates(layer, weights, raw_key))
+    gamma = np.repeat(gamma, group, axis=2)[..., None]
     key_sum, denominators = np.zeros_like(key[:, 0]), []
     for t in range(x.shape[1]):
-        key_sum = gamma * key_sum + key[:, t]
+        key_sum = gamma[:, t] * key_sum + key[:, t]
         denominators.append(np.einsum("bhf,bhf->bh", query[:, t], key_sum))
     return np.stack(denominators, axis=1)
-
-
-def _retnet_gammas(heads):
-    return 1.0 - 2.0 ** (-5.0 - np.arange(heads))
 
 
 def _trainable_backend():
@@ -211,7 +206,7 @@ class LinearAttentionDecayTest(testing.TestCase):
         key = np_project(reference, weights, x64, "key")
         key = np_feature(reference, weights, key, is_query=False)
         value = np_project(reference, weights, x64, "value")
-        gamma = _retnet_gammas(2)
+        gamma = retnet_gammas(2)
         growth = (1.0 + STATE_BOUND_SLACK) / (1.0 - gamma)
         key_sum_bound = np.max(key[0], axis=0) * growth[:, None]
         key_value = np.einsum("thd,the->thde", key[0], value[0])
@@ -231,10 +226,7 @@ class LinearAttentionDecayTest(testing.TestCase):
             outputs.append(backend.convert_to_numpy(y))
             message = f"{dtype}, after step {start + piece}"
             _assert_finite((y,) + tuple(state), message)
-            key_value_state, key_sum = (
-                np.asarray(backend.convert_to_numpy(s), "float64")[0]
-                for s in state
-            )
+            key_value_state, key_sum = (to_float64(s)[0] for s in state)
             self.assertTrue(
                 np.all(np.abs(key_sum) <= key_sum_bound),
                 f"{message}: z {key_sum} above {key_sum_bound}",
@@ -268,15 +260,12 @@ class LinearAttentionDecayTest(testing.TestCase):
         call = _runner(layer)
         half = call(x[:, : length // 2], return_state=True)[1][1]
         full = call(x, return_state=True)[1][1]
-        half, full = (
-            np.asarray(backend.convert_to_numpy(z), "float64")[0]
-            for z in (half, full)
-        )
+        half, full = (to_float64(z)[0] for z in (half, full))
         weights = np_weights(layer)
         key = np_project(layer, weights, x.astype("float64"), "key")
         key = np_feature(layer, weights, key, is_query=False)
         decayed_bound = np.max(key[0], axis=0) / (
-            1.0 - _retnet_gammas(2)[:, None]
+            1.0 - retnet_gammas(2)[:, None]
         )
         self.assertTrue(
             np.all(np.abs(full / half - 2.0) <= 2.0 * LINEAR_GROWTH_RTOL),

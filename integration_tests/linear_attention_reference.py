@@ -89,10 +89,15 @@ def np_log_gates(layer, weights, key):
         # log(sigmoid(logit)), finite for gates driven to 0.
         log_gamma = -np.logaddexp(0.0, -logit)
     elif layer.decay == "retnet":
-        log_gamma = np.log1p(-(2.0 ** (-5.0 - np.arange(heads))))
+        log_gamma = np.log(retnet_gammas(heads))
     elif layer.decay is not None:
         log_gamma = np.log(np.asarray(layer.decay, "float64"))
     return np.broadcast_to(log_gamma, key.shape[:3])
+
+
+def retnet_gammas(heads):
+    """RetNet's decays, `1 - 2^(-5 - h)` for head `h`."""
+    return 1.0 - 2.0 ** (-5.0 - np.arange(heads))
 
 
 def np_normalize(layer, numerator, denominator):
@@ -366,18 +371,3 @@ def _without_masked(reference, layer, x, mask, initial_state):
     if not layer.causal:
         return outputs, None
     return outputs, tuple(map(np.concatenate, zip(*states)))
-
-
-def hybrid_state(layer, batch, seed, dtype="float32"):
-    """A random hybrid state, with invalid slots inside the window."""
-    rng = np.random.RandomState(seed)
-    shapes = [tuple(s.shape) for s in layer.get_initial_state(batch)]
-    state = (
-        rng.normal(size=shapes[0]),
-        # A sum of positive features.
-        rng.uniform(1, 2, size=shapes[1]),
-        rng.normal(size=shapes[2]),
-        rng.normal(size=shapes[3]),
-        rng.uniform(size=shapes[4]) < 0.7,
-    )
-    return tuple(s.astype(dtype) for s in state)

@@ -11,7 +11,6 @@ across blocks of the chunked prefix sum.
 import numpy as np
 import pytest
 from absl.testing import parameterized
-from linear_attention_reference import hybrid_state
 from linear_attention_reference import np_feature
 from linear_attention_reference import np_hybrid_reference
 from linear_attention_reference import np_project
@@ -37,6 +36,7 @@ from keras.src.layers.attention.linear_attention_test_utils import (
     masked_hybrid_state,
 )
 from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import random_state
 from keras.src.layers.attention.linear_attention_test_utils import sample_mask
 
 # float32 layer against the float64 reference, and two float32 algorithms
@@ -101,11 +101,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
                 layer.execution_mode = mode
                 self.assertClose(layer(x, mask=mask), expected, msg=mode)
             return
-        rng = np.random.RandomState(3)
-        initial_state = tuple(
-            rng.uniform(1, 2, size=s.shape).astype("float32")
-            for s in layer.get_initial_state(BATCH)
-        )
+        initial_state = random_state(layer)
         expected, expected_state = np_reference(layer, x, mask, initial_state)
         for mode in CAUSAL_MODES:
             layer.execution_mode = mode
@@ -165,10 +161,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
         mask[0, :9] = False
         mask[0, chunk - 3 : chunk + 4] = False
         mask[0, 16 * chunk - 5 : 16 * chunk + 20] = False
-        initial_state = tuple(
-            np.random.RandomState(3).uniform(1, 2, s.shape).astype("float32")
-            for s in layer.get_initial_state(1)
-        )
+        initial_state = random_state(layer, batch=1)
         expected, expected_state = np_reference(layer, x, mask, initial_state)
         y, state = layer(
             x, mask=mask, initial_state=initial_state, return_state=True
@@ -187,7 +180,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
             )
             plain = make_layer(causal=True, local_window=local_window)
             plain.set_weights(decayed.get_weights())
-            state = hybrid_state(plain, BATCH, seed=3) if local_window else None
+            state = random_state(plain) if local_window else None
             for mode in CAUSAL_MODES:
                 decayed.execution_mode = plain.execution_mode = mode
                 message = f"local_window={local_window}, {mode}"
@@ -222,10 +215,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
             "bthe,heo->bto", heads, w["attention_output/kernel"]
         )
         expected = (expected + w["attention_output/bias"]) * mask[..., None]
-        state = tuple(
-            np.random.RandomState(3).uniform(1, 2, s.shape).astype("float32")
-            for s in layer.get_initial_state(BATCH)
-        )
+        state = random_state(layer)
         for mode in CAUSAL_MODES:
             layer.execution_mode = mode
             y = layer(x, mask=mask, initial_state=state)
@@ -386,7 +376,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
             config, causal=causal, local_window=window, **(kwargs or {})
         )
         x, mask = random_inputs(), sample_mask()
-        state = hybrid_state(layer, BATCH, seed=3) if causal else None
+        state = random_state(layer) if causal else None
         expected, expected_state = np_hybrid_reference(layer, x, mask, state)
         for mode in CAUSAL_MODES:
             layer.execution_mode = mode
@@ -426,7 +416,7 @@ class LinearAttentionReferenceTest(testing.TestCase):
                 x, mask = random_inputs(dtype="float64"), sample_mask()
                 state = None
                 if causal:
-                    state = hybrid_state(layer, BATCH, 3, dtype="float64")
+                    state = random_state(layer, dtype="float64")
                 expected, expected_state = np_hybrid_reference(
                     layer, x, mask, state
                 )

@@ -63,8 +63,10 @@ from keras.src.layers.attention.linear_attention_test_utils import (
     layer_gradients,
 )
 from keras.src.layers.attention.linear_attention_test_utils import make_layer
+from keras.src.layers.attention.linear_attention_test_utils import np_features
 from keras.src.layers.attention.linear_attention_test_utils import random_inputs
 from keras.src.layers.attention.linear_attention_test_utils import stream
+from keras.src.layers.attention.linear_attention_test_utils import to_float64
 from keras.src.models import cloning
 from keras.src.utils import rng_utils
 
@@ -1437,10 +1439,10 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # rounding only.
         _, state = layer(x, return_state=True)
         key, value = (
-            np.asarray(backend.convert_to_numpy(dense(x)), "float64")
+            to_float64(dense(x))
             for dense in (layer.key_dense, layer.value_dense)
         )
-        feature = np.where(key > 0, key + 1.0, np.exp(np.minimum(key, 0.0)))
+        feature = np_features("elu_plus_one", {}, key, 0.0)
         expected = (
             np.einsum("bthd,bthe->bhde", feature, value),
             feature.sum(axis=1),

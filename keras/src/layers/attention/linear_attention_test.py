@@ -31,6 +31,7 @@ from keras.src.layers.attention.linear_attention_test_utils import (
     masked_hybrid_state,
 )
 from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import random_state
 from keras.src.layers.attention.linear_attention_test_utils import sample_mask
 from keras.src.layers.attention.linear_attention_test_utils import stream
 from keras.src.models import cloning
@@ -94,21 +95,6 @@ def _documents(segment_ids, mask):
         starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 1))
         for steps in np.split(np.arange(len(ids)), starts[1:]):
             yield row, steps[valid[steps]]
-
-
-def _random_state(layer, batch=BATCH, seed=3):
-    """A carried state: positive sums and (hybrid) a partly invalid window."""
-    rng = np.random.RandomState(seed)
-    state = [
-        rng.uniform(1, 2, size=tuple(s.shape))
-        for s in layer.get_initial_state(batch)
-    ]
-    # The window's and the convolution's steps: any values; window flags.
-    sums = 2 if layer.use_normalizer else 1
-    state[sums:] = [rng.normal(size=s.shape) for s in state[sums:]]
-    if layer.local_window:
-        state[-1] = rng.uniform(size=state[-1].shape) < 0.7
-    return tuple(s.astype("float32") for s in state)
 
 
 @saving.register_keras_serializable(package="LinearAttentionTest")
@@ -494,7 +480,7 @@ class LinearAttentionTest(testing.TestCase):
             return  # No gradients on these backends.
         # Both algorithms' outputs and gradients from a carried state;
         # masked steps hold NaN, which must reach neither.
-        state, mask = _random_state(layer), sample_mask()
+        state, mask = random_state(layer), sample_mask()
         x = np.where(mask[..., None], random_inputs(), np.nan).astype("float32")
         upstream = random_inputs(seed=5)
         outputs, gradients = [], []

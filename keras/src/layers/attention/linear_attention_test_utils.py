@@ -98,13 +98,26 @@ def shift(variable, low, high, seed):
     variable.assign(backend.convert_to_numpy(variable) + noise)
 
 
-def assign_far_log_scale(layer, value=None, seed=2):
-    """Sets a hybrid's `far_log_scale` to `value`, or to random values."""
+def assign_far_log_scale(layer):
+    """Sets a hybrid's `far_log_scale` to random values."""
     variable = layer.far_log_scale
-    shape = tuple(variable.shape)
-    if value is None:
-        value = np.random.RandomState(seed).uniform(-1, 1, size=shape)
-    variable.assign(np.broadcast_to(value, shape).astype(variable.dtype))
+    value = np.random.RandomState(2).uniform(-1, 1, size=variable.shape)
+    variable.assign(value.astype(variable.dtype))
+
+
+def random_state(layer, batch=BATCH, seed=3, dtype="float32"):
+    """A carried state: positive sums and (hybrid) a partly invalid window."""
+    rng = np.random.RandomState(seed)
+    state = [
+        rng.uniform(1, 2, size=tuple(s.shape))
+        for s in layer.get_initial_state(batch)
+    ]
+    # The window's and the convolution's steps: any values; window flags.
+    sums = 2 if layer.use_normalizer else 1
+    state[sums:] = [rng.normal(size=s.shape) for s in state[sums:]]
+    if layer.local_window:
+        state[-1] = rng.uniform(size=state[-1].shape) < 0.7
+    return tuple(s.astype(dtype) for s in state)
 
 
 def to_float64(x):
