@@ -20,7 +20,6 @@ import math
 
 from keras.src import backend
 from keras.src import ops
-from keras.src import tree
 
 # Chunks per block of the prefix over chunks (`prefix_over_chunks`).
 _PREFIX_BLOCK = 16
@@ -47,19 +46,16 @@ def non_causal(
     step's own term, which both count."""
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
     if documents is not None:
-        args = (_zero_state(key, value, use_normalizer), None, None, chunk)
+        args = (_zero_state(key, value), None, None, chunk)
         forward, _ = chunkwise(query, key, value, *args, documents)
         flipped = [ops.flip(x, axis=1) for x in (query, key, value, documents)]
         backward, _ = chunkwise(*flipped[:3], *args, flipped[3])
         # A product and a sum: LiteRT has no builtin op for this einsum.
         own = ops.sum(_split_heads(query, heads) * ops.expand_dims(key, 3), -1)
-        own = _merge_heads(ops.expand_dims(own, -1))[..., 0]
-        numerator = forward[0] + ops.flip(backward[0], axis=1)
-        numerator -= ops.expand_dims(own, -1) * ops.repeat(value, group, 2)
-        denominator = None
-        if use_normalizer:
-            denominator = forward[1] + ops.flip(backward[1], axis=1) - own
-        return readout(numerator, denominator)
+        own = _merge_heads(ops.expand_dims(own, -1))
+        sums = [f + ops.flip(b, axis=1) for f, b in zip(forward, backward)]
+        denominator = sums[1] - own[..., 0] if use_normalizer else None
+        return readout(sums[0] - own * ops.repeat(value, group, 2), denominator)
     query = _split_heads(query, heads)
     key_value = ops.einsum("btkd,btke->bkde", key, value)
     numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
@@ -80,12 +76,12 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
     before = (width - 1) // 2 if previous is None else width - 1
     after = width - 1 - before
     if previous is None:
-        padded = _append_zeros(_prepend_zeros(x, before), after)
+        padded = _pad(x, before, after)
     else:
         padded = ops.concatenate([previous, x], axis=1)
     if documents is not None:
         # The padding is document 0: the carried steps' (or zeros).
-        documents = _append_zeros(_prepend_zeros(documents, before), after)
+        documents = _pad(documents, before, after)
 
     def tap(x, j):
         # Slices that end relative to the end: no length enters the graph.
@@ -171,17 +167,16 @@ def _last_steps(x, count, lengths=None, offset=0, documents=None):
     return last(x) * _expand_like(documents == documents[:, -1:], x)
 
 
-def _zero_state(key, value, use_normalizer):
-    """A zero state for `(batch, time, kv_heads, ...)` keys and values."""
-    batch, heads, features = ops.shape(key)[0], key.shape[2], key.shape[3]
-    shapes = [(batch, heads, features, value.shape[3])]
-    shapes += [(batch, heads, features)] if use_normalizer else []
-    return tuple(ops.zeros(shape, key.dtype) for shape in shapes)
+def _zero_state(key, value):
+    """A zero state, with the normalizer, for `(batch, time, kv_heads,
+    ...)` keys and values."""
+    shape = (ops.shape(key)[0], key.shape[2], key.shape[3])
+    zeros = ops.zeros(shape + (value.shape[3],), key.dtype)
+    return zeros, ops.zeros(shape, key.dtype)
 
 
 def _expand_like(condition, x):
-    """A `(batch, n)` condition or factor, cast and expanded to `x`'s
-    rank."""
+    """A `(batch, n)` condition or factor, cast and expanded to `x`'s rank."""
     condition = ops.cast(condition, x.dtype)
     # No empty axes: OpenVINO refuses them.
     axes = tuple(range(2, len(x.shape)))
@@ -190,7 +185,7 @@ def _expand_like(condition, x):
 
 def _starts(documents):
     """1 where a document starts (the carried state is document 0)."""
-    previous = _prepend_zeros(documents, 1)[:, :-1]
+    previous = _pad(documents, 1)[:, :-1]
     return ops.cast(documents != previous, documents.dtype)
 
 
@@ -219,12 +214,10 @@ def linear_step(state, query, key, value, log_gate=None):
 
 
 def recurrent(step, initial_state, sequences):
-    """`step(state, inputs_t) -> (state, output_t)` for each time step of
-    the `(batch, time, ...)` `sequences`; returns the stacked outputs and
-    the last state."""
+    """`step(state, inputs_t) -> (state, output_t)` over the `(batch, time,
+    ...)` `sequences`: the stacked outputs and the last state."""
     if sequences[0].shape[1] == 1:
-        # A decoding step needs no loop, which eager JAX would compile
-        # again on every call.
+        # A decoding step skips the loop, which eager JAX compiles per call.
         state, outputs = step(initial_state, tuple(x[:, 0] for x in sequences))
         return ops.expand_dims(outputs, 1), state
     state, outputs = _scan(
@@ -256,18 +249,17 @@ def chunkwise(
     batch, length = ops.shape(query)[:2]
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
     use_normalizer = len(state) == 2
-    # Zero keys and values pad to whole chunks without changing the state;
-    # their outputs are cut.
+    # Padding of zero keys and values leaves the state; its outputs are cut.
     query = _to_chunks(query, heads, chunk)
     key, value = _to_chunks(key, heads, chunk), _to_chunks(value, heads, chunk)
     scores = ops.einsum("xcd,xsd->xcs", query, key)
     shape = ops.shape(scores)
     scores = ops.reshape(scores, (-1, group, chunk, chunk))
-    chunk_gates = None
+    gates = None
     if log_gates is None:
         scores = ops.tril(scores)
     else:
-        scores, query, key, chunk_gates = _decay_in_chunks(
+        scores, query, key, gates = _decay_in_chunks(
             scores, query, key, log_gates, batch, length, chunk
         )
     if documents is not None:
@@ -275,7 +267,7 @@ def chunkwise(
         scores = scores * ops.expand_dims(same, 1)
         query = query * ops.expand_dims(ops.tile(reads, (1, group)), -1)
         key = key * ops.expand_dims(to_end, -1)
-        chunk_gates = new if chunk_gates is None else chunk_gates + new
+        gates = new if gates is None else gates + new
     scores = ops.reshape(scores, shape)
     numerator = ops.einsum("xcs,xse->xce", scores, value)
     summaries = (ops.einsum("xcd,xce->xde", key, value),)
@@ -283,12 +275,9 @@ def chunkwise(
         # Apart from the values: a column of ones appended to them makes
         # the products' sizes odd, which XLA runs slower.
         summaries += (ops.sum(key, axis=1),)
-    prefixes = [
-        prefix_over_chunks(start, summary, chunk_gates)
-        for start, summary in zip(state, summaries)
-    ]
-    state = tuple(final for final, _ in prefixes)
-    entering = [x for _, x in prefixes]
+    state, entering = zip(
+        *[prefix_over_chunks(s, x, gates) for s, x in zip(state, summaries)]
+    )
     numerator = numerator + ops.einsum("xcd,xde->xce", query, entering[0])
     denominator = None
     if use_normalizer:
@@ -297,10 +286,7 @@ def chunkwise(
     shape = (batch, length, heads, chunk)
     if readout is not None:
         return _from_chunks(readout(numerator, denominator), *shape), state
-    if denominator is None:
-        return (_from_chunks(numerator, *shape), None), state
-    # Rearranged together: a tensor of one feature would make PyTorch's
-    # export specialize the length.
+    # Rearranged together: one feature would make `torch.export` fix length.
     denominator = ops.expand_dims(denominator, -1)
     both = _from_chunks(ops.concatenate([numerator, denominator], -1), *shape)
     return (both[..., :-1], both[..., -1]), state
@@ -311,7 +297,7 @@ def _decay_in_chunks(scores, query, key, log_gates, batch, length, chunk):
     to its chunk's end; also returns the gate of each chunk."""
     # (batch * kv_heads * chunks, chunk), in the order of the rows.
     heads, group = log_gates.shape[2], scores.shape[1]
-    gates = _append_zeros(log_gates, _padding(length, chunk))
+    gates = _pad(log_gates, after=_padding(length, chunk))
     gates = ops.reshape(ops.transpose(gates, (0, 2, 1)), (-1, chunk))
     scores = scores * ops.expand_dims(decay_matrix(gates), 1)
     elapsed = _cumsum(gates, -1)
@@ -326,7 +312,7 @@ def _documents_in_chunks(documents, heads, chunk):
     `(batch, heads, chunks)` that stop the state where documents start."""
     # The documents started so far in each chunk; the padding starts none.
     starts = _starts(documents)
-    starts = _append_zeros(starts, _padding(ops.shape(starts)[1], chunk))
+    starts = _pad(starts, after=_padding(ops.shape(starts)[1], chunk))
     starts = ops.reshape(starts, (ops.shape(starts)[0], 1, -1, chunk))
     counts = _cumsum(starts + ops.zeros((1, heads, 1, 1), starts.dtype), -1)
     new = ops.where(counts[..., -1] > 0, _RESET, 0.0)
@@ -352,43 +338,33 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     # Whole blocks; the number of chunks is a tensor for unknown lengths.
     block = min(_PREFIX_BLOCK, chunks if isinstance(chunks, int) else math.inf)
     padding = _padding(chunks, block)
-    summaries = _append_zeros(summaries, padding)
-    summaries = ops.reshape(summaries, (rows, -1, block, features))
     # The blocks as one batch axis: PyTorch's `einsum` runs one batched
     # product (`ops.matmul` demotes float64 to float32 on PyTorch).
-    blocks = ops.reshape(summaries, (-1, block, features))
+    blocks = ops.reshape(_pad(summaries, after=padding), (-1, block, features))
     if chunk_gates is None:
-        decay = ops.tril(ops.ones((block, block), blocks.dtype))
-        decay = ops.broadcast_to(decay, (ops.shape(blocks)[0], block, block))
+        gates = ops.zeros_like(blocks[..., 0])
     else:
-        gates = _append_zeros(ops.reshape(chunk_gates, (rows, chunks)), padding)
+        gates = _pad(ops.reshape(chunk_gates, (rows, chunks)), after=padding)
         gates = ops.reshape(gates, (-1, block))
-        decay = decay_matrix(gates)
+    decay = decay_matrix(gates)
     # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
-    strictly_lower = _prepend_zeros(decay, 1)[:, :-1]
-    within = ops.einsum("xij,xjf->xif", strictly_lower, blocks)
-    # Across blocks: the state after each block (the first row is the
-    # initial state).
+    within = ops.einsum("xij,xjf->xif", _pad(decay, 1)[:, :-1], blocks)
+    # Across blocks: the state after each (first row: the initial state).
     block_totals = ops.einsum("xj,xjf->xf", decay[:, -1], blocks)
     block_totals = ops.reshape(block_totals, (rows, -1, features))
     initial_rows = ops.reshape(initial, (rows, 1, features))
     totals = ops.concatenate([initial_rows, block_totals], axis=1)
-    if chunk_gates is None:
-        totals = _cumsum(totals, 1)
-    else:
-        block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
-        decay = decay_matrix(_prepend_zeros(block_gates, 1))
-        totals = ops.einsum("xij,xjf->xif", decay, totals)
+    block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
+    across = decay_matrix(_pad(block_gates, 1))
+    totals = ops.einsum("xij,xjf->xif", across, totals)
     # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
     # slice in the wrong place.
     earlier = ops.expand_dims(totals[:, :-1], 2)
     if chunk_gates is not None:
-        # The gates before each chunk, as a sum (a new document's is no
-        # difference of sums).
-        before = ops.exp(_cumsum(_prepend_zeros(gates, 1)[:, :-1], -1))
-        before = ops.reshape(before, ops.shape(summaries)[:3])
-        earlier = ops.expand_dims(before, -1) * earlier
-    entering = ops.reshape(within, ops.shape(summaries)) + earlier
+        # The gates before each chunk, as a sum, never a difference of sums.
+        before = ops.exp(_cumsum(_pad(gates, 1)[:, :-1], -1))
+        earlier = ops.reshape(before, (rows, -1, block, 1)) * earlier
+    entering = ops.reshape(within, (rows, -1, block, features)) + earlier
     entering = ops.reshape(entering, (rows, -1, features))
     if not isinstance(padding, int) or padding:
         entering = entering[:, :chunks]
@@ -465,14 +441,13 @@ def local_window(
         after = _far_after(features, steps, key_features, window, chunk)
         far = (far[0] + after[0], far[1] + after[1])
     outputs = readout(numerator + far[0], denominator + far[1])
-    last = functools.partial(
-        _last_steps, count=window, lengths=lengths, offset=window
-    )
-    keys, values = (
-        ops.swapaxes(last(ops.swapaxes(x, 1, 2)), 1, 2) for x in (keys, values)
-    )
-    window_state = (keys, values, last(valids, documents=documents))
-    return outputs, tuple(far_state) + window_state
+    last = (window, lengths, window)
+    window_state = [
+        ops.swapaxes(_last_steps(ops.swapaxes(x, 1, 2), *last), 1, 2)
+        for x in (keys, values)
+    ]
+    window_state.append(_last_steps(valids, *last, documents))
+    return outputs, (*far_state, *window_state)
 
 
 def _far_after(query_features, steps, key_features, window, chunk):
@@ -491,10 +466,8 @@ def _far_after(query_features, steps, key_features, window, chunk):
     ]
     delayed = _delayed(steps, None, key_features, window, reverse=True)
     documents = None if steps[3] is None else steps[3][:, window:]
-    args = (*delayed, _zero_state(*delayed, True))
-    far, _ = chunkwise(
-        ops.flip(query_features, axis=1), *args, None, None, chunk, documents
-    )
+    args = (*delayed, _zero_state(*delayed), None, None, chunk, documents)
+    far, _ = chunkwise(ops.flip(query_features, axis=1), *args)
     return tuple(ops.flip(x, axis=1) for x in far)
 
 
@@ -504,16 +477,12 @@ def _delayed(steps, log_gates, key_features, window, reverse=False):
     of another document, decayed since they arrived, as in a plain state."""
     keys, values, valids, documents = steps
     length = ops.shape(valids)[1] - window
-    # Positions as a sum, not a range of a traced length (which jax2onnx
-    # cannot convert).
+    # Positions as a sum: jax2onnx cannot convert a range of traced length.
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
     if reverse:
-        positions = ops.flip(positions, 0) + window
-    else:
-        positions = positions - window
-    keys, values = (
-        ops.swapaxes(x[:, :, :length], 1, 2) for x in (keys, values)
-    )
+        positions = ops.flip(positions, 0) + 2 * window
+    positions = positions - window
+    keys, values = [ops.swapaxes(x[:, :, :length], 1, 2) for x in steps[:2]]
     features = key_features(keys, positions)
     # A key leaves the window only at an unmasked step.
     weights = valids[:, :length] * valids[:, window:]
@@ -531,7 +500,7 @@ def _window_sums(log_gates, window):
     """The sum of the gates over steps `t + 1` to `t + window` for each
     `t`, by blocks of `window` steps, so that rounding does not grow."""
     shape = ops.shape(log_gates)
-    gates = _append_zeros(log_gates, _padding(shape[1], window))
+    gates = _pad(log_gates, after=_padding(shape[1], window))
     gates = ops.reshape(gates, (shape[0], -1, window, shape[2]))
     total = _cumsum(gates, 2)
     sums = total[:, :-1, -1:] - total[:, :-1] + total[:, 1:]
@@ -555,9 +524,7 @@ def _local_window_step(state, inputs, readout):
         keep = ops.reshape(valid > 0, (-1,) + (1,) * (len(window.shape) - 1))
         return ops.where(keep, pushed, window)
 
-    keys, values, valids = (
-        push(w, x) for w, x in zip(window_state, (key, value, valid))
-    )
+    keys, values, valids = map(push, window_state, (key, value, valid))
     query = _split_heads(query, keys.shape[1])
     scores = ops.einsum("bkgd,bkwd->bkgw", query, keys)
     allowed = ops.expand_dims(valids, (1, 2)) > 0
@@ -583,11 +550,12 @@ def _window_chunkwise(query, steps, window, span, chunk):
     heads, group = keys.shape[1], query.shape[2] // keys.shape[1]
     # Each query chunk reads this many key chunks, from its own on.
     blocks = (chunk - 1 + span) // chunk + 1
-    padding = _padding(length, chunk) + ((blocks - 1) * chunk - window)
+    size = blocks * chunk
+    padding = _padding(length, chunk) + (size - chunk - window)
 
     def to_blocks(x):
         """`(n, w + t, ...)` -> `(n, chunks, blocks * c, ...)`."""
-        x = _append_zeros(x, padding)
+        x = _pad(x, after=padding)
         shape = ops.shape(x)
         x = ops.reshape(x, (shape[0], -1, chunk) + tuple(shape[2:]))
         return ops.concatenate(
@@ -597,30 +565,25 @@ def _window_chunkwise(query, steps, window, span, chunk):
     def to_row_blocks(x):
         """`(b, kv heads, w + t, f)` -> `(b * kv heads * chunks, s, f)`,
         ordered as the query chunks."""
-        features = ops.shape(x)[-1]
         x = to_blocks(ops.reshape(x, (-1,) + tuple(ops.shape(x)[2:])))
-        return ops.reshape(x, (-1, blocks * chunk, features))
+        return ops.reshape(x, (-1, size, x.shape[-1]))
 
     query = _to_chunks(query, heads, chunk)
     scores = ops.einsum("xcd,xsd->xcs", query, to_row_blocks(keys))
-    scores = ops.reshape(
-        scores, (batch, heads, -1, group, chunk, blocks * chunk)
-    )
-    # Query c of a chunk and key s of its blocks are steps c and
-    # s - window of the chunk.
-    offset = ops.arange(blocks * chunk) - ops.expand_dims(ops.arange(chunk), 1)
+    scores = ops.reshape(scores, (batch, heads, -1, group, chunk, size))
+    # Query c of a chunk and key s of its blocks: steps c and s - window.
+    offset = ops.arange(size) - ops.expand_dims(ops.arange(chunk), 1)
     valid = ops.expand_dims(to_blocks(valids), (1, 3, 4)) > 0
-    allowed = ops.logical_and(
-        ops.logical_and(offset > 0, offset <= span), valid
-    )
+    near = ops.logical_and(offset > 0, offset <= span)
+    allowed = ops.logical_and(near, valid)
     if documents is not None:
         # Each query's own document, against its blocks' keys'.
-        inputs = _append_zeros(documents[:, window:], _padding(length, chunk))
+        inputs = _pad(documents[:, window:], after=_padding(length, chunk))
         inputs = ops.reshape(inputs, (batch, 1, -1, 1, chunk, 1))
         keys_documents = ops.expand_dims(to_blocks(documents), (1, 3, 4))
         allowed = ops.logical_and(allowed, keys_documents == inputs)
     weights, maximum = window_softmax(scores, allowed)
-    weights = ops.reshape(weights, (-1, group * chunk, blocks * chunk))
+    weights = ops.reshape(weights, (-1, group * chunk, size))
     numerator = ops.einsum("xcs,xse->xce", weights, to_row_blocks(values))
     denominator = ops.sum(weights, axis=-1, keepdims=True)
     maximum = ops.reshape(maximum, (-1, group * chunk, 1))
@@ -647,7 +610,7 @@ def _to_chunks(x, kv_heads, chunk):
     """`(b, t, heads, f)` -> `(b * kv_heads * chunks, group * c, f)`,
     zero-padded: a key/value head's chunk with its query heads per row."""
     group = x.shape[2] // kv_heads
-    x = _append_zeros(x, _padding(ops.shape(x)[1], chunk))
+    x = _pad(x, after=_padding(ops.shape(x)[1], chunk))
     shape = ops.shape(x)
     x = ops.reshape(x, (shape[0], -1, chunk, kv_heads, group, shape[-1]))
     x = ops.transpose(x, (0, 3, 1, 4, 2, 5))
@@ -678,21 +641,15 @@ def _padding(size, multiple):
     return padding
 
 
-def _append_zeros(x, count):
-    """`x` with `count` zero entries appended along axis 1; not `ops.pad`,
+def _pad(x, before=0, after=0):
+    """`x` with `before` and `after` zero steps along axis 1; not `ops.pad`,
     whose new `Operation` name each call makes `torch.compile` recompile."""
-    if isinstance(count, int) and not count:
-        return x
-    shape = ops.shape(x)
-    zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
-    return ops.concatenate([x, zeros], axis=1)
-
-
-def _prepend_zeros(x, count):
-    """`x` with `count` (an `int`) zero entries before it along axis 1."""
-    shape = ops.shape(x)
-    zeros = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
-    return ops.concatenate([zeros, x], axis=1) if count else x
+    shape, parts = ops.shape(x), [None, x, None]
+    for i, count in ((0, before), (2, after)):
+        if not isinstance(count, int) or count:
+            parts[i] = ops.zeros((shape[0], count) + tuple(shape[2:]), x.dtype)
+    parts = [part for part in parts if part is not None]
+    return ops.concatenate(parts, axis=1) if len(parts) > 1 else x
 
 
 def _cumsum(x, axis):
@@ -711,22 +668,17 @@ def _scan(step, initial_state, sequences):
     `maximum_iterations`, which XLA needs for gradients."""
     if backend.backend() != "tensorflow":
         return ops.scan(step, initial_state, sequences)
-
     import tensorflow as tf
 
-    sequences = tree.flatten(sequences)
     steps = sequences[0].shape[0]
-    inputs = [tf.TensorArray(x.dtype, size=steps).unstack(x) for x in sequences]
-    outputs = tf.TensorArray(sequences[0].dtype, size=steps)
+    inputs = [tf.TensorArray(x.dtype, steps).unstack(x) for x in sequences]
 
     def body(t, state, outputs):
         state, output = step(state, tuple(x.read(t) for x in inputs))
         return t + 1, tuple(state), outputs.write(t, output)
 
+    start = (0, tuple(initial_state), tf.TensorArray(inputs[0].dtype, steps))
     _, state, outputs = tf.while_loop(
-        lambda t, *_: t < steps,
-        body,
-        (tf.constant(0), tuple(initial_state), outputs),
-        maximum_iterations=steps,
+        lambda t, *_: t < steps, body, start, maximum_iterations=steps
     )
     return state, outputs.stack()
