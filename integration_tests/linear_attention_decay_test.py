@@ -32,6 +32,7 @@ from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
 from linear_attention_reference import np_softmax
 from linear_attention_reference import np_weights
+from linear_attention_reference import numpy_weights_layer
 from linear_attention_reference import retnet_gammas
 
 from keras.src import backend
@@ -537,21 +538,8 @@ class LinearAttentionDecayTest(testing.TestCase):
             )
             return layer
 
-        base = core_layer()
         # NumPy weights, so that every backend measures the same numbers.
-        rng = np.random.RandomState(0)
-        for dense in (base.query_dense, base.key_dense, base.value_dense):
-            dense.set_weights(
-                [
-                    (0.1 if w.ndim < 3 else 0.4) * rng.normal(size=w.shape)
-                    for w in dense.get_weights()
-                ]
-            )
-        weights = np_weights(base)
-        query, key, value = (
-            np_project(base, weights, x.astype("float64"), name)
-            for name in ("query", "key", "value")
-        )
+        base, _, (query, key, value) = numpy_weights_layer(x, **dims)
         query = query / np.linalg.norm(query, axis=-1, keepdims=True)
         key = key / np.linalg.norm(key, axis=-1, keepdims=True)
         sigma = np.asarray(CONVERGENCE_BANDWIDTHS)

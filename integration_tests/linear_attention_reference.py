@@ -10,10 +10,13 @@ masks, streams and gradients they compare are the unit test's, from
 
 import numpy as np
 
+from keras.src.layers.attention.linear_attention_test_utils import make_layer
 from keras.src.layers.attention.linear_attention_test_utils import (
     np_favor_exponent,
 )
 from keras.src.layers.attention.linear_attention_test_utils import np_features
+from keras.src.layers.attention.linear_attention_test_utils import np_project
+from keras.src.layers.attention.linear_attention_test_utils import np_weights
 from keras.src.layers.attention.linear_attention_test_utils import to_float64
 
 
@@ -32,15 +35,20 @@ def assert_close(actual, expected, rtol, msg=None):
         )
 
 
-def np_weights(layer):
-    """The layer's weights in float64, by path within the layer."""
-    return {v.path[len(layer.path) + 1 :]: to_float64(v) for v in layer.weights}
-
-
-def np_project(layer, weights, x, name):
-    """The projection `name` of float64 inputs: (batch, time, heads, dim)."""
-    y = np.einsum("btm,mhd->bthd", x, weights[f"{name}/kernel"])
-    return y + weights[f"{name}/bias"] if layer.use_bias else y
+def numpy_weights_layer(x, **kwargs):
+    """A layer with weights drawn by NumPy (the same numbers on every
+    backend), its float64 weights, and its projections of `x`."""
+    layer = make_layer(**kwargs)
+    rng = np.random.RandomState(0)
+    for variable in layer.weights:
+        scale = 0.1 if "bias" in variable.path else 0.4
+        variable.assign(scale * rng.normal(size=variable.shape))
+    weights = np_weights(layer)
+    projections = [
+        np_project(layer, weights, x.astype("float64"), name)
+        for name in ("query", "key", "value")
+    ]
+    return layer, weights, projections
 
 
 def np_feature(

@@ -34,10 +34,9 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from linear_attention_reference import assert_close
-from linear_attention_reference import np_project
 from linear_attention_reference import np_reference
 from linear_attention_reference import np_softmax
-from linear_attention_reference import np_weights
+from linear_attention_reference import numpy_weights_layer
 
 from keras.src import activations
 from keras.src import backend
@@ -55,7 +54,6 @@ from keras.src.layers.attention.linear_attention_test_utils import INPUT_DIM
 from keras.src.layers.attention.linear_attention_test_utils import KEY_DIM
 from keras.src.layers.attention.linear_attention_test_utils import LENGTH
 from keras.src.layers.attention.linear_attention_test_utils import NUM_HEADS
-from keras.src.layers.attention.linear_attention_test_utils import VALUE_DIM
 from keras.src.layers.attention.linear_attention_test_utils import (
     float64_enabled,
 )
@@ -65,6 +63,7 @@ from keras.src.layers.attention.linear_attention_test_utils import (
 from keras.src.layers.attention.linear_attention_test_utils import make_layer
 from keras.src.layers.attention.linear_attention_test_utils import np_features
 from keras.src.layers.attention.linear_attention_test_utils import random_inputs
+from keras.src.layers.attention.linear_attention_test_utils import random_state
 from keras.src.layers.attention.linear_attention_test_utils import stream
 from keras.src.layers.attention.linear_attention_test_utils import to_float64
 from keras.src.models import cloning
@@ -127,22 +126,6 @@ def _state_near_1000(state):
         (1000.0 + random_inputs(tuple(s.shape), seed=3)).astype("float32")
         for s in state
     )
-
-
-def _numpy_weights_layer(x, **kwargs):
-    """A layer with weights drawn by NumPy (the same numbers on every
-    backend), its float64 weights, and its projections of `x`."""
-    layer = make_layer(**kwargs)
-    rng = np.random.RandomState(0)
-    for variable in layer.weights:
-        scale = 0.1 if "bias" in variable.path else 0.4
-        variable.assign(scale * rng.normal(size=variable.shape))
-    weights = np_weights(layer)
-    projections = [
-        np_project(layer, weights, x.astype("float64"), name)
-        for name in ("query", "key", "value")
-    ]
-    return layer, weights, projections
 
 
 def _recorded_shapes(layer, x, **call_kwargs):
@@ -357,12 +340,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
             x = random_inputs((2, LONG_LENGTH, INPUT_DIM), dtype="float64")
             mask = np.ones((2, LONG_LENGTH), bool)
             mask[0, 1000:1100] = mask[1, 5:9] = False
-            rng = np.random.RandomState(3)
-            heads = layer.num_key_value_heads
-            initial_state = (
-                rng.uniform(size=(2, heads, KEY_DIM, VALUE_DIM)),
-                rng.uniform(1, 2, size=(2, heads, KEY_DIM)),
-            )[: 2 if normalizer else 1]
+            initial_state = random_state(layer, batch=2, dtype="float64")
             expected, expected_state = np_reference(
                 layer, x, mask, initial_state=initial_state
             )
@@ -1696,7 +1674,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         # errors are 0.73 -> 0.35 (uniform: 0.88).
         x = 0.5 * random_inputs((2, 16, INPUT_DIM))
         dims = {"num_heads": 2, "key_dim": 4, "value_dim": 4}
-        base, weights, (query, key, value) = _numpy_weights_layer(x, **dims)
+        base, weights, (query, key, value) = numpy_weights_layer(x, **dims)
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / 2.0
         for causal in (False, True):
             if causal:
@@ -2029,7 +2007,7 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         length, window, num_features = 256, 32, 64
         dims = {"num_heads": 2, "key_dim": 8, "value_dim": 8}
         x = 0.5 * random_inputs((2, length, INPUT_DIM))
-        base, weights, (query, key, value) = _numpy_weights_layer(
+        base, weights, (query, key, value) = numpy_weights_layer(
             x, causal=True, **dims
         )
         scores = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(8.0)

@@ -16,6 +16,9 @@ from keras.src.layers.attention.linear_attention_test_utils import (
     float64_enabled,
 )
 from keras.src.layers.attention.linear_attention_test_utils import np_features
+from keras.src.layers.attention.linear_attention_test_utils import np_project
+from keras.src.layers.attention.linear_attention_test_utils import np_weights
+from keras.src.layers.attention.linear_attention_test_utils import shift
 from keras.src.layers.attention.linear_attention_test_utils import to_float64
 from keras.src.utils import rng_utils
 
@@ -66,26 +69,21 @@ def _map(name, **kwargs):
     feature_map.build((None, None, KEY_VALUE_HEADS, KEY_DIM))
     for weight in feature_map.trainable_weights:
         # So that a weight applied to the wrong head, or not at all, shows.
-        noise = np.random.RandomState(2).uniform(-0.5, 0.5, weight.shape)
-        weight.assign(to_float64(weight) + noise)
+        shift(weight, -0.5, 0.5, seed=2)
     return feature_map
 
 
 def _np_cosformer_layer(layer, x, mask):
     """Outputs of a cosFormer layer from explicit `(T, T)` weights, with
     softmax weights for the pairs under `local_window` steps apart."""
-    w = {v.path[len(layer.path) + 1 :]: to_float64(v) for v in layer.weights}
+    w = np_weights(layer)
     x = np.asarray(x, "float64")
     epsilon = layer.normalization_epsilon
     group = layer.num_heads // layer.num_key_value_heads
-
-    def project(name):
-        y = np.einsum("btm,mhd->bthd", x, w[f"{name}/kernel"])
-        return y + w[f"{name}/bias"]
-
-    query = project("query")
-    key = np.repeat(project("key"), group, 2)
-    value = np.repeat(project("value"), group, 2)
+    query, key, value = (
+        np_project(layer, w, x, name) for name in ("query", "key", "value")
+    )
+    key, value = np.repeat(key, group, 2), np.repeat(value, group, 2)
     r_q, r_k = (np.maximum(y, 0.0) + epsilon for y in (query, key))
     # w_tj = r_q . r_k cos(pi (t - j) / 2T), over the call's T steps.
     steps = np.arange(x.shape[1])

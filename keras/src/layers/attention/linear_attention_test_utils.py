@@ -125,6 +125,17 @@ def to_float64(x):
     return np.asarray(backend.convert_to_numpy(x), "float64")
 
 
+def np_weights(layer):
+    """The layer's weights in float64, by path within the layer."""
+    return {v.path[len(layer.path) + 1 :]: to_float64(v) for v in layer.weights}
+
+
+def np_project(layer, weights, x, name):
+    """The projection `name` of float64 inputs: (batch, time, heads, dim)."""
+    y = np.einsum("btm,mhd->bthd", x, weights[f"{name}/kernel"])
+    return y + weights[f"{name}/bias"] if layer.use_bias else y
+
+
 @contextlib.contextmanager
 def float64_enabled():
     """Enables float64 on JAX (off by default there) for a block."""
