@@ -478,6 +478,15 @@ class LinearAttentionRobustnessTest(testing.TestCase):
         ("output_shape_zero", {"output_shape": 0}, "output_shape"),
         ("feature_map_type", {"feature_map": 3}, "feature_map"),
         ("dropout_negative", {"dropout": -0.1}, "dropout"),
+        ("dropout_string", {"dropout": "0.1"}, "dropout", "='0.1'"),
+        ("num_heads_none", {"num_heads": None}, "num_heads", "=None"),
+        ("key_dim_none", {"key_dim": None}, "key_dim", "=None"),
+        (
+            "epsilon_string",
+            {"normalization_epsilon": "1e-6"},
+            "normalization_epsilon",
+            "='1e-6'",
+        ),
         (
             "epsilon_infinite",
             {"normalization_epsilon": float("inf")},

@@ -170,8 +170,8 @@ class LinearAttention(Layer):
         self.input_spec = InputSpec(ndim=3)
         if isinstance(output_shape, (list, tuple)) and len(output_shape) == 1:
             output_shape = output_shape[0]
-        self.num_heads = _check_int("num_heads", num_heads)
-        self.key_dim = _check_int("key_dim", key_dim)
+        self.num_heads = _check_int("num_heads", num_heads, optional=False)
+        self.key_dim = _check_int("key_dim", key_dim, optional=False)
         self.value_dim = _check_int("value_dim", value_dim) or self.key_dim
         kv_heads = _check_int("num_key_value_heads", num_key_value_heads)
         self.num_key_value_heads = kv_heads or self.num_heads
@@ -183,18 +183,19 @@ class LinearAttention(Layer):
         # Private, as in `MultiHeadAttention` (`Model.summary()` reads it).
         self._output_shape = _check_int("output_shape", output_shape)
         self.use_normalizer = bool(use_normalizer)
-        self.normalization_epsilon = float(normalization_epsilon)
-        if not 0 < self.normalization_epsilon < math.inf:
+        epsilon = normalization_epsilon
+        if not (_is_real(epsilon) and 0 < epsilon < math.inf):
             raise ValueError(
                 "`normalization_epsilon` must be a positive, finite float. "
                 f"Received: normalization_epsilon={normalization_epsilon!r}"
             )
+        self.normalization_epsilon = float(epsilon)
         self.causal, self.use_bias = bool(causal), bool(use_bias)
-        self.dropout = float(dropout)
-        if not 0 <= self.dropout < 1:
+        if not (_is_real(dropout) and 0 <= dropout < 1):
             raise ValueError(
                 f"`dropout` must be in [0, 1). Received: dropout={dropout!r}"
             )
+        self.dropout = float(dropout)
         if execution_mode not in _EXECUTION_MODES:
             raise ValueError(
                 f"`execution_mode` must be one of {_EXECUTION_MODES}. "
@@ -830,9 +831,9 @@ def _masked(x, mask):
     return ops.where(mask, x, ops.zeros_like(x))
 
 
-def _check_int(name, value, minimum=1):
+def _check_int(name, value, minimum=1, optional=True):
     """`value`, a Python or NumPy integer, as an `int`; `None` stays."""
-    if value is None:
+    if value is None and optional:
         return None
     if not _is_real(value, numbers.Integral) or value < minimum:
         raise ValueError(
