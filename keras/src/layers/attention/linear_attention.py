@@ -832,7 +832,7 @@ def _masked(x, mask):
 
 
 def _check_int(name, value, minimum=1, optional=True):
-    """`value`, a Python or NumPy integer, as an `int`; `None` stays."""
+    """`value`, a Python or NumPy integer, as an `int`; `None` if optional."""
     if value is None and optional:
         return None
     if not _is_real(value, numbers.Integral) or value < minimum:
