@@ -9,10 +9,9 @@ per-step log-gates `(batch, time, kv_heads)`, 0 at masked steps, or
 `None`: the state is multiplied by `exp(gate)` before each step is added.
 Packed documents come as `documents` `(batch, time)`, a float count that
 grows by one where a document starts (the carried state is document 0),
-or `None`: a step reads only the steps of its own document.
-
-`linear_step` is the reference, which `stepwise` runs over a sequence;
-`chunkwise` computes the same outputs chunk by chunk.
+or `None`: a step reads only its own document's steps. `linear_step` is
+the reference, which `stepwise` runs over a sequence; `chunkwise` computes
+the same outputs chunk by chunk.
 """
 
 import functools
@@ -61,8 +60,7 @@ def non_causal(
     numerator = ops.einsum("btkgd,bkde->btkge", query, key_value)
     denominator = None
     if use_normalizer:
-        key_sum = ops.sum(key, axis=1)
-        denominator = ops.einsum("btkgd,bkd->btkg", query, key_sum)
+        denominator = ops.einsum("btkgd,bkd->btkg", query, ops.sum(key, 1))
     return _merge_heads(readout(numerator, denominator))
 
 
@@ -70,8 +68,7 @@ def short_convolution(x, kernel, previous=None, documents=None, lengths=None):
     """Depthwise convolution over time of `x` `(batch, time, ...)` by
     `kernel` `(width, ...)` within `documents`: causal after `previous`
     (the `width - 1` steps before `x`), else centred. Returns `y` and the
-    next call's `previous`, from the first `lengths` steps (or all), zero
-    for steps of another document than the last one's."""
+    next `previous` (of the first `lengths` steps and the last's document)."""
     width = kernel.shape[0]
     before = (width - 1) // 2 if previous is None else width - 1
     after = width - 1 - before
@@ -220,9 +217,8 @@ def recurrent(step, initial_state, sequences):
         # A decoding step skips the loop, which eager JAX compiles per call.
         state, outputs = step(initial_state, tuple(x[:, 0] for x in sequences))
         return ops.expand_dims(outputs, 1), state
-    state, outputs = _scan(
-        step, initial_state, tuple(ops.swapaxes(x, 0, 1) for x in sequences)
-    )
+    sequences = tuple(ops.swapaxes(x, 0, 1) for x in sequences)
+    state, outputs = _scan(step, initial_state, sequences)
     return ops.swapaxes(outputs, 0, 1), state
 
 
@@ -244,12 +240,12 @@ def chunkwise(
     query, key, value, state, log_gates, readout, chunk, documents=None
 ):
     """`stepwise`'s outputs chunk by chunk: a masked product inside each,
-    the entering state from `prefix_over_chunks`; without `readout`, the
-    numerators and denominators (or `None`) instead."""
+    the entering state from `prefix_over_chunks`; without `readout` (a
+    state with the normalizer), the numerators and denominators instead."""
     batch, length = ops.shape(query)[:2]
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
     use_normalizer = len(state) == 2
-    # Padding of zero keys and values leaves the state; its outputs are cut.
+    # Zero keys and values fill the last chunk: the state stays as it was.
     query = _to_chunks(query, heads, chunk)
     key, value = _to_chunks(key, heads, chunk), _to_chunks(value, heads, chunk)
     scores = ops.einsum("xcd,xsd->xcs", query, key)
@@ -286,7 +282,7 @@ def chunkwise(
     shape = (batch, length, heads, chunk)
     if readout is not None:
         return _from_chunks(readout(numerator, denominator), *shape), state
-    # Rearranged together: one feature would make `torch.export` fix length.
+    # Not alone: a one-feature tensor makes `torch.export` fix the length.
     denominator = ops.expand_dims(denominator, -1)
     both = _from_chunks(ops.concatenate([numerator, denominator], -1), *shape)
     return (both[..., :-1], both[..., -1]), state
@@ -354,14 +350,17 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     block_totals = ops.reshape(block_totals, (rows, -1, features))
     initial_rows = ops.reshape(initial, (rows, 1, features))
     totals = ops.concatenate([initial_rows, block_totals], axis=1)
-    block_gates = ops.reshape(ops.sum(gates, axis=-1), (rows, -1))
-    across = decay_matrix(_pad(block_gates, 1))
-    totals = ops.einsum("xij,xjf->xif", across, totals)
+    if chunk_gates is None:
+        totals = _cumsum(totals, 1)
+    else:
+        block_gates = ops.reshape(ops.sum(gates, -1), (rows, -1))
+        across = decay_matrix(_pad(block_gates, 1))
+        totals = ops.einsum("xij,xjf->xif", across, totals)
     # Not `totals[:, :-1, None]`: OpenVINO puts a new axis that follows a
     # slice in the wrong place.
     earlier = ops.expand_dims(totals[:, :-1], 2)
     if chunk_gates is not None:
-        # The gates before each chunk, as a sum, never a difference of sums.
+        # The gates before each chunk, as a sum (see `_RESET`).
         before = ops.exp(_cumsum(_pad(gates, 1)[:, :-1], -1))
         earlier = ops.reshape(before, (rows, -1, block, 1)) * earlier
     entering = ops.reshape(within, (rows, -1, block, features)) + earlier
@@ -475,13 +474,14 @@ def _delayed(steps, log_gates, key_features, window, reverse=False):
     """The keys' features and values `window` steps back (with `reverse`,
     of reversed steps) `(batch, time, kv_heads, ...)`: zero where masked or
     of another document, decayed since they arrived, as in a plain state."""
-    keys, values, valids, documents = steps
+    valids, documents = steps[2:]
     length = ops.shape(valids)[1] - window
     # Positions as a sum: jax2onnx cannot convert a range of traced length.
     positions = _cumsum(ops.ones_like(valids[0, window:]), 0) - 1
     if reverse:
-        positions = ops.flip(positions, 0) + 2 * window
-    positions = positions - window
+        positions = ops.flip(positions, 0) + window
+    else:
+        positions = positions - window
     keys, values = [ops.swapaxes(x[:, :, :length], 1, 2) for x in steps[:2]]
     features = key_features(keys, positions)
     # A key leaves the window only at an unmasked step.
