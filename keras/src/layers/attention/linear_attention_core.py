@@ -45,7 +45,7 @@ def non_causal(
     step's own term, which both count."""
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
     if documents is not None:
-        args = (_zero_state(key, value), None, None, chunk)
+        args = (_zero_state(key, value, use_normalizer), None, None, chunk)
         forward, _ = chunkwise(query, key, value, *args, documents)
         flipped = [ops.flip(x, axis=1) for x in (query, key, value, documents)]
         backward, _ = chunkwise(*flipped[:3], *args, flipped[3])
@@ -164,12 +164,11 @@ def _last_steps(x, count, lengths=None, offset=0, documents=None):
     return last(x) * _expand_like(documents == documents[:, -1:], x)
 
 
-def _zero_state(key, value):
-    """A zero state, with the normalizer, for `(batch, time, kv_heads,
-    ...)` keys and values."""
+def _zero_state(key, value, use_normalizer=True):
+    """A zero state for `(batch, time, kv_heads, ...)` keys and values."""
     shape = (ops.shape(key)[0], key.shape[2], key.shape[3])
     zeros = ops.zeros(shape + (value.shape[3],), key.dtype)
-    return zeros, ops.zeros(shape, key.dtype)
+    return (zeros, ops.zeros(shape, key.dtype))[: 2 if use_normalizer else 1]
 
 
 def _expand_like(condition, x):
@@ -240,8 +239,8 @@ def chunkwise(
     query, key, value, state, log_gates, readout, chunk, documents=None
 ):
     """`stepwise`'s outputs chunk by chunk: a masked product inside each,
-    the entering state from `prefix_over_chunks`; without `readout` (a
-    state with the normalizer), the numerators and denominators instead."""
+    the entering state from `prefix_over_chunks`; without `readout`, the
+    numerators (and denominators, with the normalizer) instead."""
     batch, length = ops.shape(query)[:2]
     heads, group = key.shape[2], query.shape[2] // key.shape[2]
     use_normalizer = len(state) == 2
@@ -282,6 +281,8 @@ def chunkwise(
     shape = (batch, length, heads, chunk)
     if readout is not None:
         return _from_chunks(readout(numerator, denominator), *shape), state
+    if denominator is None:
+        return (_from_chunks(numerator, *shape),), state
     # Not alone: a one-feature tensor makes `torch.export` fix the length.
     denominator = ops.expand_dims(denominator, -1)
     both = _from_chunks(ops.concatenate([numerator, denominator], -1), *shape)
@@ -383,9 +384,8 @@ def decay_matrix(log_gates):
 
 
 def window_softmax(scores, allowed):
-    """The local window's softmax weights, unnormalized, and their
-    stabilizer: at least 0, so that a window of low scores cannot scale
-    the far part up."""
+    """Unnormalized window softmax weights and their stabilizer, at least 0
+    so that a window of low scores cannot scale the far part up."""
     scores = ops.where(allowed, scores, -math.inf)
     maximum = ops.relu(ops.max(scores, axis=-1))
     return ops.exp(scores - ops.expand_dims(maximum, -1)), maximum
