@@ -20,8 +20,7 @@ import math
 from keras.src import backend
 from keras.src import ops
 
-# Chunks per block of the prefix over chunks (`prefix_over_chunks`).
-_PREFIX_BLOCK = 16
+_PREFIX_BLOCK = 16  # Chunks per block in `prefix_over_chunks`.
 # The log-gate of a new document: `exp` of it is 0. Finite, so that sums of
 # gates never meet `inf - inf`; never in a difference of sums.
 _RESET = -1e9
@@ -339,11 +338,12 @@ def prefix_over_chunks(initial, summaries, chunk_gates=None):
     # product (`ops.matmul` demotes float64 to float32 on PyTorch).
     blocks = ops.reshape(_pad(summaries, after=padding), (-1, block, features))
     if chunk_gates is None:
-        gates = ops.zeros_like(blocks[..., 0])
+        decay = ops.tril(ops.ones((block, block), blocks.dtype))
+        decay = ops.broadcast_to(decay, (ops.shape(blocks)[0], block, block))
     else:
         gates = _pad(ops.reshape(chunk_gates, (rows, chunks)), after=padding)
         gates = ops.reshape(gates, (-1, block))
-    decay = decay_matrix(gates)
+        decay = decay_matrix(gates)
     # Chunk i receives chunk j < i, decayed over chunks j + 1 to i - 1.
     within = ops.einsum("xij,xjf->xif", _pad(decay, 1)[:, :-1], blocks)
     # Across blocks: the state after each (first row: the initial state).
